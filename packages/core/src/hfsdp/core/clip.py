@@ -1,0 +1,35 @@
+"""Gradient clipping by the global norm, each element counted exactly once.
+
+Every rank holds the reduced gradient of its optimizer piece. A piece is held
+by `mesh size / optimizer shard factor` ranks (the replicas along axes that do
+not shard the optimizer), so each rank weights its sum of squares by one over
+that count. Dense and expert pieces add up in one all-reduce over the world.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hfsdp.core.flat_group import FlatParamGroup
+from hfsdp.core.placement import State
+
+
+def global_grad_norm(groups: list[FlatParamGroup]) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, over dense and expert meshes together."""
+    device = groups[0].main.device if groups else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for group in groups:
+        replicas = group.layout.size // group.layout.shard_factor(State.OPTIM)
+        total += group.main_grad.double().square().sum() / replicas
+    dist.all_reduce(total)
+    return total.sqrt().float()
+
+
+def clip_grad_norm_(groups: list[FlatParamGroup], max_norm: float) -> torch.Tensor:
+    """Scale every gradient piece so the global norm is at most `max_norm`; return the norm before."""
+    norm = global_grad_norm(groups)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for group in groups:
+        group.main_grad.mul_(coef.to(group.main_grad.dtype))
+    return norm

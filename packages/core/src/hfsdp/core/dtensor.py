@@ -1,0 +1,42 @@
+"""Flat buffer pieces as DTensors with the rule table's placements.
+
+A group's padded flat buffer is the global tensor; each rank's piece is its
+local tensor. When both axes shard a buffer, hfsdp splits the inner shard again
+over the outer axis (piece `i*R + o`), i.e. the inner mesh dim shards first.
+DTensor states that with `shard_order`; torch builds without it (before 2.10)
+express the same layout with `_StridedShard` on the outer axis.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hfsdp.core.placement import State
+
+try:  # torch >= 2.10
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+except ImportError:  # pragma: no cover - older torch
+    ShardOrderEntry = None
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+
+def flat_dtensor(local: torch.Tensor, group, state: State) -> DTensor:
+    """Wrap this rank's piece of `group`'s buffer for `state` as a 1-D DTensor of the padded size."""
+    placements = group.layout.placements.of(state)
+    sharded = group.layout.sharded_axes(state)
+    meta = TensorMeta(torch.Size([group.padded]), (1,), local.dtype)
+    if len(sharded) > 1 and ShardOrderEntry is None:  # pragma: no cover - older torch
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        inner_size = group.layout.axes[sharded[-1]].size
+        placements = tuple(
+            _StridedShard(0, split_factor=inner_size) if k in sharded[:-1] else p for k, p in enumerate(placements)
+        )
+        spec = DTensorSpec(group.mesh, placements, tensor_meta=meta)
+    elif len(sharded) > 1:
+        order = (ShardOrderEntry(tensor_dim=0, mesh_dims=tuple(reversed(sharded))),)
+        spec = DTensorSpec(group.mesh, tuple(placements), tensor_meta=meta, shard_order=order)
+    else:
+        spec = DTensorSpec(group.mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)

@@ -1,0 +1,218 @@
+"""One unit's parameters of one mesh, in flat padded buffers.
+
+A `FlatParamGroup` owns four buffers:
+
+- `param_shard` (compute dtype): this rank's piece of the parameters;
+- `unsharded` (compute dtype): the whole padded buffer, which every module
+  parameter is a view into. Where parameters are sharded its storage exists only
+  while the unit runs (`unshard` / `reshard`); elsewhere it *is* `param_shard`;
+- `grad_buffer` (reduce dtype): the gradient piece accumulated between
+  microbatches; after the last microbatch its optimizer range holds the reduced
+  gradient;
+- `main` (fp32): the optimizer's piece of the weights.
+
+Padding makes every piece equal on every axis, so collectives never see uneven
+sizes. Padding starts at zero and stays zero: its gradient is zero, so AdamW and
+SGD leave it at zero, and no parameter view or checkpoint ever covers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hfsdp.core import collectives as comm
+from hfsdp.core.layout import MeshLayout
+from hfsdp.core.placement import State
+from hfsdp.core.plan import plan_for
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute dtype of parameters (None keeps each parameter's own) and gradient-reduction dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its group's flat buffers."""
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class FlatParamGroup:
+    """The flat buffers and the collectives of one (unit, mesh, dtype)."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        mesh: DeviceMesh,
+        layout: MeshLayout,
+        mp: MixedPrecision,
+    ):
+        self.mesh, self.layout, self.plan = mesh, layout, plan_for(layout)
+        self.coord = tuple(mesh.get_coordinate())
+        self.process_groups = [mesh.get_group(name) for name in layout.names]
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, param in named_params:
+            self.slots.append(ParamSlot(name, param, param.shape, offset))
+            offset += param.numel()
+        self.numel = offset
+        self.padded = layout.padded_numel(offset)
+        self.param_range = layout.shard_range(State.PARAM, self.coord, self.padded)
+        self.grad_range = layout.range_over(self.plan.microbatch_reduce, self.coord, self.padded)
+        self.optim_range = layout.shard_range(State.OPTIM, self.coord, self.padded)
+        source = named_params[0][1]
+        self.compute_dtype = mp.param_dtype or source.dtype
+        self.reduce_dtype = mp.reduce_dtype
+        device = source.device
+
+        full = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for slot in self.slots:
+                full[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+        self.main = full[slice(*self.optim_range)].clone()
+        self.param_shard = full[slice(*self.param_range)].to(self.compute_dtype).clone()
+        del full
+        self.shards_params = bool(self.plan.param_gather)
+        if self.shards_params:
+            self.unsharded = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
+        else:
+            self.unsharded = self.param_shard
+        for slot in self.slots:
+            slot.param.data = self.unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        self.is_unsharded = True
+        self.reshard()
+        self.grad_buffer = torch.zeros(self.grad_range[1] - self.grad_range[0], dtype=self.reduce_dtype, device=device)
+        self._microbatch_grads: torch.Tensor | None = None
+        self.grads_pending = False  # grad_buffer holds grads not yet reduced over the final axes
+
+    # -- parameters ------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Gather the parameters over the axes that shard them into `unsharded`."""
+        if self.is_unsharded:
+            return
+        self.unsharded.untyped_storage().resize_(self.padded * self.unsharded.element_size())
+        self._gather(self.param_shard, self.layout.sharded_axes(State.PARAM), self.plan.param_gather, self.unsharded, 0)
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (only where they are sharded)."""
+        if self.shards_params and self.is_unsharded:
+            self.unsharded.untyped_storage().resize_(0)
+            self.is_unsharded = False
+
+    def _gather(self, piece, sharded, axes, out: torch.Tensor, out_start: int) -> None:
+        """All-gather `piece` over `axes`, outer first, growing it inside `out` (which starts at `out_start`).
+
+        Each step's input is already in its own slot of the step's output, which
+        is the in-place all-gather both NCCL and gloo support.
+        """
+        sharded = list(sharded)
+        for k in axes:
+            sharded.remove(k)
+            start, stop = self.layout.range_over(tuple(sharded), self.coord, self.padded)
+            target = out[start - out_start : stop - out_start]
+            comm.all_gather(target, piece, self.process_groups[k], self.layout.names[k])
+            piece = target
+
+    # -- gradients -------------------------------------------------------------------
+
+    def accumulate_grads(self, scale: float) -> None:
+        """Move this microbatch's parameter grads into the flat buffers, scaled once, and reduce.
+
+        Reduce-scatters over the inner axis where gradients are sharded (every
+        microbatch); elsewhere gradients accumulate unreduced until `finish_reduction`.
+        """
+        if self.plan.microbatch_reduce:
+            flat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.grad_buffer.device)
+            self._fill(flat, scale, accumulate=False)
+            (k,) = self.plan.microbatch_reduce
+            reduced = torch.empty_like(self.grad_buffer)
+            comm.reduce_scatter(reduced, flat, self._group(k), self._name(k))
+            del flat
+            self.grad_buffer.add_(reduced)
+        else:
+            self._fill(self.grad_buffer, scale, accumulate=True)
+        self.grads_pending = True
+
+    def _fill(self, flat: torch.Tensor, scale: float, accumulate: bool) -> None:
+        for slot in self.slots:
+            grad = slot.param.grad
+            if grad is None:
+                continue
+            view = flat[slot.offset : slot.offset + slot.numel]
+            if accumulate:
+                view.add_(grad.reshape(-1), alpha=scale)
+            else:
+                view.copy_(grad.reshape(-1)).mul_(scale)
+            slot.param.grad = None
+
+    def finish_reduction(self) -> None:
+        """Reduce the accumulated gradients over the remaining axes (inner first), once per step."""
+        lo, hi = self.grad_range
+        current = (lo, hi)
+        sharded = list(self.plan.microbatch_reduce)
+        for k, op in self.plan.final_reduce:
+            view = self.grad_buffer[current[0] - lo : current[1] - lo]
+            if op == "all_reduce":
+                comm.all_reduce(view, self._group(k), self._name(k))
+                continue
+            sharded.append(k)
+            start, stop = self.layout.range_over(tuple(sharded), self.coord, self.padded)
+            out = torch.empty(stop - start, dtype=view.dtype, device=view.device)
+            comm.reduce_scatter(out, view, self._group(k), self._name(k))
+            self.grad_buffer[start - lo : stop - lo].copy_(out)
+            current = (start, stop)
+        assert current == self.optim_range, f"reduction ended on {current}, optimizer owns {self.optim_range}"
+        self.grads_pending = False
+
+    @property
+    def main_grad(self) -> torch.Tensor:
+        """The reduced gradient of this rank's optimizer piece (a view into `grad_buffer`)."""
+        lo = self.grad_range[0]
+        return self.grad_buffer[self.optim_range[0] - lo : self.optim_range[1] - lo]
+
+    def zero_grad(self) -> None:
+        self.grad_buffer.zero_()
+        self.grads_pending = False
+
+    # -- after the optimizer step ----------------------------------------------------
+
+    def publish_main_weights(self) -> None:
+        """Copy the updated fp32 piece into the compute-dtype shard, then gather where it is replicated."""
+        lo = self.param_range[0]
+        piece = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
+        piece.copy_(self.main)
+        self._gather(piece, self.layout.sharded_axes(State.OPTIM), self.plan.post_step_gather, self.param_shard, lo)
+        if self.shards_params and self.is_unsharded:
+            self.is_unsharded = False
+            self.unshard()
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _group(self, k: int) -> dist.ProcessGroup:
+        return self.process_groups[k]
+
+    def _name(self, k: int) -> str:
+        return self.layout.names[k]
+
+    def state_bytes(self) -> int:
+        """Persistent model-state bytes on this rank: parameter shard, gradient buffer, fp32 main weights."""
+        tensors = [self.param_shard, self.grad_buffer, self.main]
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,47 @@
+"""Which collectives a mesh needs, read off its placements and nothing else.
+
+- Parameters are all-gathered before compute over the axes that shard them.
+- Gradients are reduce-scattered after every microbatch over the innermost axis
+  when it shards them: that is what keeps ZeRO-2/3 gradient memory at 1/N.
+- Every other axis is reduced once, on the last microbatch (inner first): an
+  all-reduce where the optimizer state is replicated, a reduce-scatter where it
+  is sharded. So the outer axis sees exactly one collective per step.
+- After the optimizer step, updated parameters are all-gathered over the axes
+  where parameters are replicated but the optimizer state is sharded.
+
+Gathers run outer axis first and reductions inner axis first, which keeps every
+intermediate piece contiguous under the shard order of `layout.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hfsdp.core.layout import MeshLayout
+from hfsdp.core.placement import State, is_shard
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    param_gather: tuple[int, ...]
+    microbatch_reduce: tuple[int, ...]
+    final_reduce: tuple[tuple[int, str], ...]
+    post_step_gather: tuple[int, ...]
+
+
+def plan_for(layout: MeshLayout) -> CommPlan:
+    placements = layout.placements
+    inner = len(layout.axes) - 1
+    param_sharded = layout.sharded_axes(State.PARAM)
+    microbatch = (inner,) if is_shard(placements.grad[inner]) else ()
+    final = tuple(
+        (k, "reduce_scatter" if is_shard(placements.optim[k]) else "all_reduce")
+        for k in reversed(range(len(layout.axes)))
+        if k not in microbatch
+    )
+    post_step = tuple(
+        k for k in range(len(layout.axes)) if is_shard(placements.optim[k]) and not is_shard(placements.param[k])
+    )
+    return CommPlan(
+        param_gather=param_sharded, microbatch_reduce=microbatch, final_reduce=final, post_step_gather=post_step
+    )

@@ -1,0 +1,157 @@
+"""`fully_shard`: wrap units of any module on the hybrid meshes.
+
+The caller names the units (each transformer layer, say); the root takes every
+parameter no unit claimed. Inside each unit, parameters are grouped by mesh
+(dense or expert) and dtype into `FlatParamGroup`s.
+
+Loss scaling lives here and only here: gradients enter the flat buffers
+multiplied by 1 / (microbatches x dp), so every layout computes the update of
+the mean loss over the global batch, and the reductions are plain sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
+
+from hfsdp.core.config import LayoutConfig
+from hfsdp.core.dtensor import flat_dtensor
+from hfsdp.core.flat_group import FlatParamGroup, MixedPrecision
+from hfsdp.core.mesh import HybridMeshes
+from hfsdp.core.placement import State
+from hfsdp.core.unit import ShardedUnit
+
+
+def is_expert_param_default(name: str, param: nn.Parameter) -> bool:
+    """megatron-core marks expert parameters with `allreduce = False`."""
+    return getattr(param, "allreduce", True) is False
+
+
+class ShardedModel(nn.Module):
+    """A module whose parameters live in hfsdp's sharded flat buffers."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: LayoutConfig,
+        meshes: HybridMeshes,
+        units: Iterable[nn.Module],
+        mp: MixedPrecision | None = None,
+        is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
+    ):
+        super().__init__()
+        self.module = module
+        self.config, self.meshes = config, meshes
+        self.mp = mp or MixedPrecision()
+        self._num_microbatches, self._is_last = 1, True
+        self._backward_queued = False
+        names = {p: n for n, p in module.named_parameters()}
+        claimed: set[nn.Parameter] = set()
+        self.units: list[ShardedUnit] = []
+        for unit_module in [*units, module]:
+            params = [(names[p], p) for p in unit_module.parameters() if p not in claimed and p.requires_grad]
+            claimed.update(p for _, p in params)
+            groups = self._make_groups(params, is_expert)
+            self.units.append(
+                ShardedUnit(
+                    unit_module,
+                    groups,
+                    is_root=unit_module is module,
+                    grad_scale=self._grad_scale,
+                    on_backward=self._queue_end_of_backward,
+                )
+            )
+
+    def _make_groups(self, params, is_expert) -> list[FlatParamGroup]:
+        buckets: dict[tuple[bool, torch.dtype], list] = {}
+        for name, param in params:
+            buckets.setdefault((is_expert(name, param), param.dtype), []).append((name, param))
+        groups = []
+        for (expert, _), members in buckets.items():
+            if expert and self.meshes.expert is None:
+                raise ValueError(
+                    f"parameter '{members[0][0]}' is an expert parameter but the config has no experts; "
+                    "set num_moe_experts (and ep) in the config."
+                )
+            mesh, layout = (
+                (self.meshes.expert, self.meshes.expert_layout)
+                if expert
+                else (self.meshes.dense, self.meshes.dense_layout)
+            )
+            group = FlatParamGroup(members, mesh, layout, self.mp)
+            group.is_expert = expert
+            groups.append(group)
+        return groups
+
+    # -- training-loop API -------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def groups(self) -> list[FlatParamGroup]:
+        return [g for unit in self.units for g in unit.groups]
+
+    def set_microbatch(self, index: int, count: int) -> None:
+        """Declare the next backward as microbatch `index` of `count` in this optimizer step."""
+        if not 0 <= index < count:
+            raise ValueError(f"microbatch index {index} is outside 0..{count - 1}")
+        self._num_microbatches, self._is_last = count, index == count - 1
+
+    def _grad_scale(self) -> float:
+        return 1.0 / (self._num_microbatches * self.config.dp)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Finish units autograd did not (the root, unused units), then the last microbatch's reductions."""
+        self._backward_queued = False
+        for unit in reversed(self.units):
+            unit.post_backward()
+        if self._is_last:
+            for group in self.groups:
+                group.finish_reduction()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.groups:
+            group.zero_grad()
+
+    # -- sharded views ---------------------------------------------------------------------
+
+    def sharded_buffers(self) -> list[dict[str, DTensor]]:
+        """Each group's parameter, gradient and main-weight pieces as DTensors on its mesh."""
+        out = []
+        for group in self.groups:
+            grad_axes = group.layout.sharded_axes(State.GRAD)
+            lo = group.grad_range[0]
+            start, stop = group.layout.range_over(grad_axes, group.coord, group.padded)
+            out.append(
+                {
+                    "param": flat_dtensor(group.param_shard, group, State.PARAM),
+                    "grad": flat_dtensor(group.grad_buffer[start - lo : stop - lo], group, State.GRAD),
+                    "main": flat_dtensor(group.main, group, State.OPTIM),
+                }
+            )
+        return out
+
+    def state_bytes(self) -> int:
+        return sum(g.state_bytes() for g in self.groups)
+
+
+def fully_shard(
+    module: nn.Module,
+    config: LayoutConfig,
+    meshes: HybridMeshes,
+    units: Iterable[nn.Module],
+    mp: MixedPrecision | None = None,
+    is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
+) -> ShardedModel:
+    """Shard `module` on `meshes`: each of `units` gets its own buffers, the root takes the rest."""
+    return ShardedModel(module, config, meshes, units, mp, is_expert)
