@@ -64,6 +64,8 @@ class FlatParamGroup:
         mp: MixedPrecision,
     ):
         self.mesh, self.layout, self.plan = mesh, layout, plan_for(layout)
+        self.is_expert = False  # set by the model: which mesh this group is on
+        self.unit_index = 0  # set by the model: position of the owning unit (root last)
         self.coord = tuple(mesh.get_coordinate())
         self.process_groups = [mesh.get_group(name) for name in layout.names]
         self.slots: list[ParamSlot] = []

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from hfsdp.core.config import LayoutConfig
 from hfsdp.core.dtensor import flat_dtensor
+from hfsdp.core.expert_naming import ExpertNaming
 from hfsdp.core.flat_group import FlatParamGroup, MixedPrecision
 from hfsdp.core.mesh import HybridMeshes
 from hfsdp.core.placement import State
@@ -42,9 +43,11 @@ class ShardedModel(nn.Module):
         units: Iterable[nn.Module],
         mp: MixedPrecision | None = None,
         is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
+        expert_naming: ExpertNaming | None = None,
     ):
         super().__init__()
         self.module = module
+        self.expert_naming = expert_naming
         self.config, self.meshes = config, meshes
         self.mp = mp or MixedPrecision()
         self._num_microbatches, self._is_last = 1, True
@@ -56,6 +59,8 @@ class ShardedModel(nn.Module):
             params = [(names[p], p) for p in unit_module.parameters() if p not in claimed and p.requires_grad]
             claimed.update(p for _, p in params)
             groups = self._make_groups(params, is_expert)
+            for group in groups:
+                group.unit_index = len(self.units)
             self.units.append(
                 ShardedUnit(
                     unit_module,
@@ -63,6 +68,7 @@ class ShardedModel(nn.Module):
                     is_root=unit_module is module,
                     grad_scale=self._grad_scale,
                     on_backward=self._queue_end_of_backward,
+                    input_dtype=self.mp.param_dtype if unit_module is module else None,
                 )
             )
 
@@ -119,6 +125,12 @@ class ShardedModel(nn.Module):
             for group in self.groups:
                 group.finish_reduction()
 
+    def global_name(self, group: FlatParamGroup, name: str) -> str:
+        """The layout-independent name of a parameter (experts by global index)."""
+        if group.is_expert and self.expert_naming is not None:
+            return self.expert_naming.to_global(name)
+        return name
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:
             group.zero_grad()
@@ -152,6 +164,7 @@ def fully_shard(
     units: Iterable[nn.Module],
     mp: MixedPrecision | None = None,
     is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
+    expert_naming: ExpertNaming | None = None,
 ) -> ShardedModel:
     """Shard `module` on `meshes`: each of `units` gets its own buffers, the root takes the rest."""
-    return ShardedModel(module, config, meshes, units, mp, is_expert)
+    return ShardedModel(module, config, meshes, units, mp, is_expert, expert_naming)

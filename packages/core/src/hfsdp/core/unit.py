@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from hfsdp.core.flat_group import FlatParamGroup
 
@@ -43,8 +43,10 @@ class ShardedUnit:
         grad_scale: Callable[[], float],
         on_backward: Callable[[], None],
         on_forward: Callable[[], None] | None = None,
+        input_dtype: torch.dtype | None = None,
     ):
         self.module, self.groups, self.is_root = module, groups, is_root
+        self.input_dtype = input_dtype  # floating inputs are cast to the compute dtype (root only)
         self._grad_scale, self._on_backward, self._on_forward = grad_scale, on_backward, on_forward
         self.reduced = True  # nothing pending before the first backward
         self._handles = [
@@ -64,12 +66,19 @@ class ShardedUnit:
         if self._on_forward is not None:
             self._on_forward()
         self.unshard()
+        if self.input_dtype is not None:
+            args, kwargs = tree_map(self._cast, (args, kwargs))
         if torch.is_grad_enabled():
             self.reduced = False
             inputs = _grad_tensors((args, kwargs))
             if inputs:
                 register_multi_grad_hook(inputs, self._post_backward_hook, mode="any")
         return args, kwargs
+
+    def _cast(self, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.input_dtype)
+        return value
 
     def _post_forward(self, module, args, output):
         if not self.is_root:

@@ -1,0 +1,72 @@
+"""A small model, its data, and the single-process plain-PyTorch reference the engine is checked against.
+
+Sizes are odd on purpose (13, 16, 8 -> 1) so flat buffers need padding on every mesh.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GLOBAL_BATCH = 16
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 13)
+        self.down = nn.Linear(13, width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Toy(nn.Module):
+    """Input projection, three residual blocks (the units), a scalar head, and an MSE loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(Block(16) for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return ((self.head(h).squeeze(-1) - y) ** 2).mean()
+
+
+def make_toy(seed: int = 0) -> Toy:
+    torch.manual_seed(seed)
+    return Toy()
+
+
+def global_batch(step: int):
+    """The global batch of `step`: the same samples whatever the layout."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, generator=gen)
+
+
+def microbatch(step: int, index: int, count: int, rank: int, world: int):
+    """Rank `rank`'s microbatch `index` of `count`: chunk index*world + rank of the global batch."""
+    x, y = global_batch(step)
+    size = GLOBAL_BATCH // (count * world)
+    chunk = index * world + rank
+    return x[chunk * size : (chunk + 1) * size], y[chunk * size : (chunk + 1) * size]
+
+
+def reference_run(steps: int, lr: float = 1e-2, weight_decay: float = 0.1, clip: float | None = None):
+    """Train the toy model in one process with torch.optim.AdamW on whole global batches."""
+    model = make_toy()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses, norms = [], []
+    for step in range(steps):
+        loss = model(*global_batch(step))
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
