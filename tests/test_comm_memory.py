@@ -29,6 +29,7 @@ def _measure(rank, world):
     from hfsdp.core.mesh import build_meshes
     from hfsdp.core.optimizer import ShardedAdamW
     from hfsdp.core.sharded_model import fully_shard
+
     from toy_models import make_toy, microbatch
 
     out = {}
@@ -123,7 +124,7 @@ def test_outer_axis_reduces_once_per_step(measured, name):
 
 @pytest.mark.parametrize("name", ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "HSDP", "HFSDP", "ZeRO-1 over ZeRO-2"])
 def test_model_state_bytes_match_the_formula(measured, name):
-    """Per-rank bytes of params, grads, main weights and Adam state equal Ψ·(2/s_p + 2/s_g + 12/s_o), padding included."""
+    """Per-rank params, grads, main weights and Adam state take Ψ·(2/s_p + 2/s_g + 12/s_o) bytes, padding included."""
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.layout import dense_layout
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from distributed import run_distributed
 from hfsdp.core.strategy import Strategy
+
+from distributed import run_distributed
 from toy_models import reference_run
 
 STEPS, MICROBATCHES = 3, 2
@@ -27,6 +28,7 @@ def _train(rank, world, inner, outer, instances, steps=STEPS, microbatches=MICRO
     from hfsdp.core.mesh import build_meshes
     from hfsdp.core.optimizer import ShardedAdamW
     from hfsdp.core.sharded_model import fully_shard
+
     from toy_models import make_toy, microbatch
 
     cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
@@ -99,7 +101,7 @@ def test_hybrid_layout_matches_single_process_reference(equivalence, reference, 
 
 @pytest.mark.parametrize("outer,inner", PAIRS, ids=[f"{o.value}-over-{i.value}" for o, i in PAIRS])
 def test_hybrid_layout_matches_one_instance(equivalence, outer, inner):
-    """Splitting the 4 ranks into 2 instances leaves losses and parameters those of one instance of the inner strategy."""
+    """Splitting 4 ranks into 2 instances leaves the losses and parameters of one instance of the inner strategy."""
     case = equivalence[0][(outer.value, inner.value, 2)]
     single = equivalence[0][("no_shard", inner.value, 1)]
     torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
@@ -109,7 +111,7 @@ def test_hybrid_layout_matches_one_instance(equivalence, outer, inner):
 
 @pytest.mark.parametrize("outer,inner", PAIRS, ids=[f"{o.value}-over-{i.value}" for o, i in PAIRS])
 def test_sharded_state_carries_the_table_placements(equivalence, outer, inner):
-    """Params, grads and optimizer state are DTensors on ("dp_outer", "dp_shard") with the per-axis table's placements."""
+    """Params, grads and optimizer state are DTensors on ("dp_outer", "dp_shard") with the table's placements."""
     table = {
         Strategy.NO_SHARD: (Replicate(), Partial(), Replicate()),
         Strategy.OPTIM: (Replicate(), Partial(), Shard(0)),
