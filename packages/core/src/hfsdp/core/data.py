@@ -1,0 +1,69 @@
+"""Token streams: a deterministic learnable synthetic one, and Megatron indexed datasets.
+
+Both are defined by global batch: step k's global batch is the same tokens whatever
+the layout, and data-parallel rank r's microbatch m is chunk `m * dp + r` of it.
+That is what makes layouts comparable loss for loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SyntheticTokens:
+    """Sequences of an affine recurrence t' = (a*t + b) mod V, with (a, b) drawn from a small set.
+
+    The next token follows from the previous one once the model has worked out
+    which rule a sequence uses, so the loss falls steadily from log(V).
+    """
+
+    vocab_size: int
+    seq_length: int
+    seed: int = 1234
+    rules: int = 4
+
+    def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        rule_gen = torch.Generator().manual_seed(self.seed)
+        a = torch.randint(1, self.vocab_size, (self.rules,), generator=rule_gen) | 1
+        b = torch.randint(0, self.vocab_size, (self.rules,), generator=rule_gen)
+        which = torch.randint(0, self.rules, (size, 1), generator=gen)
+        seq = torch.empty(size, self.seq_length + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(0, self.vocab_size, (size,), generator=gen)
+        for j in range(self.seq_length):
+            seq[:, j + 1] = (a[which[:, 0]] * seq[:, j] + b[which[:, 0]]) % self.vocab_size
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+class IndexedTokens:
+    """Fixed-length samples cut from a Megatron indexed dataset (`PREFIX.bin` / `PREFIX.idx`)."""
+
+    def __init__(self, prefix: str, seq_length: int):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.dataset = IndexedDataset(prefix)
+        self.seq_length = seq_length
+        tokens = torch.cat([torch.as_tensor(self.dataset[i].astype("int64")) for i in range(len(self.dataset))])
+        usable = (tokens.numel() - 1) // seq_length * seq_length
+        if usable == 0:
+            raise ValueError(f"'{prefix}' holds fewer than {seq_length + 1} tokens; use a longer dataset.")
+        self.tokens = tokens[: usable + 1]
+        self.num_samples = usable // seq_length
+
+    def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = (torch.arange(size) + step * size) % self.num_samples
+        starts = index * self.seq_length
+        rows = starts[:, None] + torch.arange(self.seq_length + 1)
+        seq = self.tokens[rows]
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def microbatch(batch: tuple[torch.Tensor, torch.Tensor], index: int, count: int, rank: int, dp: int):
+    """Rank `rank`'s microbatch `index` of `count`: chunk `index * dp + rank` of the global batch."""
+    tokens, labels = batch
+    size = tokens.shape[0] // (count * dp)
+    chunk = index * dp + rank
+    return tokens[chunk * size : (chunk + 1) * size], labels[chunk * size : (chunk + 1) * size]
