@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import typer
 
+from hfsdp.cli.train import train
 from hfsdp.cli.validate import validate_config
 
 app = typer.Typer(
@@ -26,10 +27,5 @@ def _main() -> None:
     # A callback keeps `hfsdp` a group even while it has a single command.
 
 
+app.command("train")(train)
 app.command("validate-config")(validate_config)
-
-# Registered here by the lead, in this order (keep heavy imports inside the command bodies):
-#   from hfsdp.cli.train import train
-#   app.command("train")(train)
-#   from hfsdp.cli.ckpt import app as ckpt_app
-#   app.add_typer(ckpt_app, name="ckpt")
