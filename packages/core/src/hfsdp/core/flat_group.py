@@ -29,6 +29,7 @@ from hfsdp.core import collectives as comm
 from hfsdp.core.layout import MeshLayout
 from hfsdp.core.placement import State
 from hfsdp.core.plan import plan_for
+from hfsdp.core.streams import SyncStreams
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,10 @@ class FlatParamGroup:
         mesh: DeviceMesh,
         layout: MeshLayout,
         mp: MixedPrecision,
+        streams=None,
     ):
         self.mesh, self.layout, self.plan = mesh, layout, plan_for(layout)
+        self.streams = streams or SyncStreams()
         self.is_expert = False  # set by the model: which mesh this group is on
         self.unit_index = 0  # set by the model: position of the owning unit (root last)
         self.coord = tuple(mesh.get_coordinate())
@@ -98,23 +101,42 @@ class FlatParamGroup:
         for slot in self.slots:
             slot.param.data = self.unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.is_unsharded = True
+        self._gathering, self._gather_event = False, None  # a gather in flight, and its event
         self.reshard()
         self.grad_buffer = torch.zeros(self.grad_range[1] - self.grad_range[0], dtype=self.reduce_dtype, device=device)
-        self._microbatch_grads: torch.Tensor | None = None
+        self._reduction_in_flight: tuple = ()  # (event, tensors the reduce stream still reads)
         self.grads_pending = False  # grad_buffer holds grads not yet reduced over the final axes
 
     # -- parameters ------------------------------------------------------------------
 
     def unshard(self) -> None:
-        """Gather the parameters over the axes that shard them into `unsharded`."""
-        if self.is_unsharded:
+        """Gather the parameters into `unsharded` and make compute wait for them."""
+        self.start_unshard()
+        self.finish_unshard()
+
+    def start_unshard(self) -> None:
+        """Allocate `unsharded` (on the compute stream) and gather into it on the gather stream."""
+        if self.is_unsharded or self._gathering:
             return
         self.unsharded.untyped_storage().resize_(self.padded * self.unsharded.element_size())
-        self._gather(self.param_shard, self.layout.sharded_axes(State.PARAM), self.plan.param_gather, self.unsharded, 0)
-        self.is_unsharded = True
+        allocated = self.streams.record("compute")
+        with self.streams.side("gather"):
+            self.streams.wait("gather", allocated)
+            axes = self.layout.sharded_axes(State.PARAM)
+            self._gather(self.param_shard, axes, self.plan.param_gather, self.unsharded, 0)
+            self._gather_event = self.streams.record("gather")
+        self._gathering = True
+
+    def finish_unshard(self) -> None:
+        """Make the compute stream wait for an in-flight gather."""
+        if self._gathering:
+            self.streams.wait("compute", self._gather_event)
+            self._gather_event, self._gathering = None, False
+            self.is_unsharded = True
 
     def reshard(self) -> None:
-        """Free the unsharded parameters (only where they are sharded)."""
+        """Free the unsharded parameters (only where they are sharded), after any gather into them."""
+        self.finish_unshard()
         if self.shards_params and self.is_unsharded:
             self.unsharded.untyped_storage().resize_(0)
             self.is_unsharded = False
@@ -139,34 +161,52 @@ class FlatParamGroup:
         """Move this microbatch's parameter grads into the flat buffers, scaled once, and reduce.
 
         Reduce-scatters over the inner axis where gradients are sharded (every
-        microbatch); elsewhere gradients accumulate unreduced until `finish_reduction`.
+        microbatch, on the reduce stream); elsewhere gradients accumulate
+        unreduced until `finish_reduction`.
         """
-        if self.plan.microbatch_reduce:
-            flat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.grad_buffer.device)
-            self._fill(flat, scale, accumulate=False)
-            (k,) = self.plan.microbatch_reduce
+        if not self.plan.microbatch_reduce:
+            self._fill(self.grad_buffer, scale, accumulate=True)
+            self.grads_pending = True
+            return
+        self.release_reduction()
+        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.grad_buffer.device)
+        flat[self.numel :].zero_()
+        self._fill(flat, scale, accumulate=False)
+        filled = self.streams.record("compute")
+        (k,) = self.plan.microbatch_reduce
+        with self.streams.side("reduce"):
+            self.streams.wait("reduce", filled)
             reduced = torch.empty_like(self.grad_buffer)
             comm.reduce_scatter(reduced, flat, self._group(k), self._name(k))
-            del flat
             self.grad_buffer.add_(reduced)
-        else:
-            self._fill(self.grad_buffer, scale, accumulate=True)
+            self._reduction_in_flight = (self.streams.record("reduce"), flat, reduced)
         self.grads_pending = True
 
+    def release_reduction(self) -> None:
+        """Make compute wait for this group's in-flight reduction, then drop the buffers it reads."""
+        if self._reduction_in_flight:
+            self.streams.wait("compute", self._reduction_in_flight[0])
+            self._reduction_in_flight = ()
+
     def _fill(self, flat: torch.Tensor, scale: float, accumulate: bool) -> None:
+        """Add (or write) each parameter's grad times `scale` into its slot; the loss scaling happens here only."""
         for slot in self.slots:
             grad = slot.param.grad
-            if grad is None:
-                continue
             view = flat[slot.offset : slot.offset + slot.numel]
             if accumulate:
-                view.add_(grad.reshape(-1), alpha=scale)
-            else:
+                if grad is not None:
+                    view.add_(grad.reshape(-1), alpha=scale)
+            elif grad is None:
+                view.zero_()
+            elif grad.dtype == view.dtype:
+                torch.mul(grad.reshape(-1), scale, out=view)
+            else:  # upcast first, so the scaling happens in the reduction dtype
                 view.copy_(grad.reshape(-1)).mul_(scale)
             slot.param.grad = None
 
     def finish_reduction(self) -> None:
         """Reduce the accumulated gradients over the remaining axes (inner first), once per step."""
+        self.release_reduction()
         lo, hi = self.grad_range
         current = (lo, hi)
         sharded = list(self.plan.microbatch_reduce)

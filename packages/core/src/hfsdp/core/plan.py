@@ -30,18 +30,18 @@ class CommPlan:
 
 
 def plan_for(layout: MeshLayout) -> CommPlan:
+    """The collectives of `layout`; axes of size 1 need none and are left out (one GPU runs no copies)."""
     placements = layout.placements
     inner = len(layout.axes) - 1
-    param_sharded = layout.sharded_axes(State.PARAM)
-    microbatch = (inner,) if is_shard(placements.grad[inner]) else ()
+    busy = [k for k in range(len(layout.axes)) if layout.axes[k].size > 1]
+    param_sharded = tuple(k for k in layout.sharded_axes(State.PARAM) if k in busy)
+    microbatch = (inner,) if is_shard(placements.grad[inner]) and inner in busy else ()
     final = tuple(
         (k, "reduce_scatter" if is_shard(placements.optim[k]) else "all_reduce")
-        for k in reversed(range(len(layout.axes)))
+        for k in reversed(busy)
         if k not in microbatch
     )
-    post_step = tuple(
-        k for k in range(len(layout.axes)) if is_shard(placements.optim[k]) and not is_shard(placements.param[k])
-    )
+    post_step = tuple(k for k in busy if is_shard(placements.optim[k]) and not is_shard(placements.param[k]))
     return CommPlan(
         param_gather=param_sharded, microbatch_reduce=microbatch, final_reduce=final, post_step_gather=post_step
     )

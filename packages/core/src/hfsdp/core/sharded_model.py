@@ -11,6 +11,7 @@ the mean loss over the global batch, and the reductions are plain sums.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -24,6 +25,7 @@ from hfsdp.core.expert_naming import ExpertNaming
 from hfsdp.core.flat_group import FlatParamGroup, MixedPrecision
 from hfsdp.core.mesh import HybridMeshes
 from hfsdp.core.placement import State
+from hfsdp.core.streams import streams_for
 from hfsdp.core.unit import ShardedUnit
 
 
@@ -44,10 +46,13 @@ class ShardedModel(nn.Module):
         mp: MixedPrecision | None = None,
         is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
         expert_naming: ExpertNaming | None = None,
+        streams=None,
     ):
         super().__init__()
         self.module = module
         self.expert_naming = expert_naming
+        device = next(module.parameters()).device
+        self.streams = streams if streams is not None else streams_for(device)
         self.config, self.meshes = config, meshes
         self.mp = mp or MixedPrecision()
         self._num_microbatches, self._is_last = 1, True
@@ -71,6 +76,13 @@ class ShardedModel(nn.Module):
                     input_dtype=self.mp.param_dtype if unit_module is module else None,
                 )
             )
+        # Prefetch in execution order: forward runs root, then the units as given; backward the reverse.
+        order = [self.units[-1], *self.units[:-1]]
+        for earlier, later in itertools.pairwise(order):
+            earlier.prefetch_forward = later
+            later.prefetch_backward = earlier if earlier is not self.units[-1] else None
+        if len(order) > 1:
+            order[0].prefetch_backward = order[-1]
 
     def _make_groups(self, params, is_expert) -> list[FlatParamGroup]:
         buckets: dict[tuple[bool, torch.dtype], list] = {}
@@ -88,7 +100,7 @@ class ShardedModel(nn.Module):
                 if expert
                 else (self.meshes.dense, self.meshes.dense_layout)
             )
-            group = FlatParamGroup(members, mesh, layout, self.mp)
+            group = FlatParamGroup(members, mesh, layout, self.mp, self.streams)
             group.is_expert = expert
             groups.append(group)
         return groups
@@ -121,6 +133,8 @@ class ShardedModel(nn.Module):
         self._backward_queued = False
         for unit in reversed(self.units):
             unit.post_backward()
+        for group in self.groups:
+            group.release_reduction()
         if self._is_last:
             for group in self.groups:
                 group.finish_reduction()
@@ -165,6 +179,7 @@ def fully_shard(
     mp: MixedPrecision | None = None,
     is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
     expert_naming: ExpertNaming | None = None,
+    streams=None,
 ) -> ShardedModel:
     """Shard `module` on `meshes`: each of `units` gets its own buffers, the root takes the rest."""
-    return ShardedModel(module, config, meshes, units, mp, is_expert, expert_naming)
+    return ShardedModel(module, config, meshes, units, mp, is_expert, expert_naming, streams)

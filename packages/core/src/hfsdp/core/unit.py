@@ -49,6 +49,9 @@ class ShardedUnit:
         self.input_dtype = input_dtype  # floating inputs are cast to the compute dtype (root only)
         self._grad_scale, self._on_backward, self._on_forward = grad_scale, on_backward, on_forward
         self.reduced = True  # nothing pending before the first backward
+        # Set by the model: the unit whose gather to start when this one starts, in each direction.
+        self.prefetch_forward: ShardedUnit | None = None
+        self.prefetch_backward: ShardedUnit | None = None
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True),
             module.register_forward_hook(self._post_forward),
@@ -58,6 +61,20 @@ class ShardedUnit:
         for group in self.groups:
             group.unshard()
 
+    def start_unshard(self) -> None:
+        """Issue this unit's gathers without waiting for them (prefetch)."""
+        for group in self.groups:
+            group.start_unshard()
+
+    def _unshard_and_prefetch(self, following: ShardedUnit | None) -> None:
+        """Wait for this unit's parameters, then start the next unit's gather so it overlaps our compute."""
+        for group in self.groups:
+            group.start_unshard()
+        if following is not None:
+            following.start_unshard()
+        for group in self.groups:
+            group.finish_unshard()
+
     def reshard(self) -> None:
         for group in self.groups:
             group.reshard()
@@ -65,7 +82,7 @@ class ShardedUnit:
     def _pre_forward(self, module, args, kwargs):
         if self._on_forward is not None:
             self._on_forward()
-        self.unshard()
+        self._unshard_and_prefetch(self.prefetch_forward)
         if self.input_dtype is not None:
             args, kwargs = tree_map(self._cast, (args, kwargs))
         if torch.is_grad_enabled():
@@ -90,7 +107,7 @@ class ShardedUnit:
 
     def _pre_backward_hook(self, grad) -> None:
         self._on_backward()
-        self.unshard()
+        self._unshard_and_prefetch(self.prefetch_backward)
 
     def _post_backward_hook(self, grad) -> None:
         self.post_backward()
