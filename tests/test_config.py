@@ -345,3 +345,12 @@ def test_several_problems_are_reported_at_once():
     assert set(found) == {"inner", "micro_batch_size", "pp", "ep"}
     found = problems(outer="optim", ep=3, num_moe_experts=6, global_batch_size=10, micro_batch_size=1)
     assert set(found) == {"outer", "ep", "global_batch_size"}
+
+
+def test_instances_must_divide_the_expert_data_parallel_domain():
+    """With ep > 1, instances must divide dp / ep (megatron-core splits that domain into instances too)."""
+    with pytest.raises(ConfigError) as err:
+        LayoutConfig(world_size=2, instances=2, ep=2, num_moe_experts=4)
+    assert [p.field for p in err.value.problems] == ["instances"]
+    assert "dp / ep = 1" in err.value.problems[0].message
+    LayoutConfig(world_size=4, instances=2, ep=2, num_moe_experts=4)  # dp / ep = 2 splits into 2 instances

@@ -221,6 +221,13 @@ def validate(cfg: LayoutConfig) -> list[Problem]:
         )
     # An unparsable expert strategy must not fall back to the inner one: that would judge expert_outer against
     # a strategy the user did not choose.
+    if cfg.ep > 1 and dp % cfg.ep == 0 and dp % cfg.instances == 0 and (dp // cfg.ep) % cfg.instances:
+        bad(
+            "instances",
+            f"instances {cfg.instances} does not divide the expert data-parallel size dp / ep = {dp // cfg.ep}; "
+            "megatron-core splits that domain into the instances too, so choose instances that divide it "
+            "or a smaller ep.",
+        )
     expert_inner = None if "expert_strategy" in unparsed else (cfg.expert_strategy or cfg.inner)
     if dp % cfg.ep == 0:
         _check_hybrid(
