@@ -34,6 +34,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", default="", help="comma-separated layout names to run (default: all that fit)")
     model = "--layers 4 --hidden 512 --heads 8 --vocab 8192 --seq-len 512 --global-batch-size 8 --micro-batch-size 2"
     parser.add_argument("--model", default=model, help="hfsdp train flags that size the model and batch")
     args = parser.parse_args()
@@ -41,7 +42,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name, (nproc, extra) in LAYOUTS.items():
-        if nproc > args.gpus:
+        if nproc > args.gpus or (args.only and name not in args.only.split(",")):
             continue
         metrics = out / f"{name.replace(' ', '_')}.jsonl"
         cmd = [sys.executable, "-m", "hfsdp.cli", "train", "--nproc", str(nproc), "--device", args.device]
