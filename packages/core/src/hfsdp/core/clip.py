@@ -21,7 +21,9 @@ def global_grad_norm(groups: list[FlatParamGroup]) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for group in groups:
         replicas = group.layout.size // group.layout.shard_factor(State.OPTIM)
-        total += group.main_grad.double().square().sum() / replicas
+        # The norm of a piece in fp32 (no fp64 copy of the gradient); sums of pieces in fp64.
+        piece = torch.linalg.vector_norm(group.main_grad, 2, dtype=torch.float32).double()
+        total += piece.square() / replicas
     dist.all_reduce(total)
     return total.sqrt().float()
 
