@@ -50,9 +50,11 @@ def test_invalid_settings_are_all_reported_by_flag(tmp_path):
                 "data_path": str(tmp_path / "missing"),
                 "save_every": 5,
                 "device": "cuda",
+                "load": str(tmp_path / "no-checkpoint"),
             }
         )
-    assert {"--outer", "--hidden", "--dtype", "--data-path", "--save-every", "--device"} <= _fields(err.value)
+    expected = {"--outer", "--hidden", "--dtype", "--data-path", "--save-every", "--device", "--load"}
+    assert expected <= _fields(err.value)
 
 
 def test_batch_sizes_must_split_over_ranks():

@@ -165,6 +165,11 @@ def _setting_problems(s: dict[str, Any], cuda_available: bool) -> list[Problem]:
                 f"--data-path {prefix} needs {' and '.join(missing)}, which do not exist; "
                 "give the prefix of a Megatron indexed dataset (PREFIX.bin and PREFIX.idx).",
             )
+    if s["load"] is not None and not Path(s["load"]).is_dir():
+        bad(
+            "--load",
+            f"--load {s['load']} is not a directory; give a checkpoint root (with 'latest') or a step directory.",
+        )
     if s["save_every"] is not None and (not isinstance(s["save_every"], int) or s["save_every"] < 1):
         bad("--save-every", f"--save-every must be a positive integer, got {s['save_every']!r}.")
     if s["save_every"] is not None and s["save"] is None:
