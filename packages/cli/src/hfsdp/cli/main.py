@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import typer
 
+from hfsdp.cli.ckpt import app as ckpt_app
 from hfsdp.cli.train import train
 from hfsdp.cli.validate import validate_config
 
@@ -29,3 +30,4 @@ def _main() -> None:
 
 app.command("train")(train)
 app.command("validate-config")(validate_config)
+app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard and export checkpoints.")

@@ -1,0 +1,138 @@
+"""Export: the consolidated model weights as standard, size-split safetensors files.
+
+The output is what the Hugging Face ecosystem expects: files
+`model-0000k-of-0000n.safetensors` holding whole tensors under the model's own
+state-dict names (experts by global index, i.e. the names with ep = 1), and
+`model.safetensors.index.json` mapping each name to its file. Weights come from
+the fp32 main weights, cast to the requested dtype chunk by chunk, so memory
+stays within the budget however large a tensor is. Written atomically like
+everything else: a hidden directory next to OUT, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hfsdp.ckpt.build import Progress, slice_bytes
+from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.groups import model_order
+from hfsdp.ckpt.index import MAIN, read_index
+from hfsdp.ckpt.reader import CheckpointReader
+from hfsdp.ckpt.store import (
+    check_files,
+    ensure_absent,
+    publish_dir,
+    remove_quietly,
+    resolve,
+    temp_dir_for,
+    write_failed,
+)
+from hfsdp.ckpt.writer import TensorFileWriter, dtype_name
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    destination: Path
+    bytes_written: int
+    files: int
+    tensors: int
+    seconds: float
+
+
+def export(
+    src: str | Path,
+    out: str | Path,
+    dtype: str | torch.dtype = "bf16",
+    *,
+    max_shard_bytes: int = 5 << 30,
+    io_threads: int = 4,
+    memory_budget_bytes: int = 256 << 20,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Write the model weights of checkpoint `src` to the new directory `out` as `dtype` safetensors."""
+    started = time.perf_counter()
+    out = Path(out)
+    target = _dtype(dtype)
+    ensure_absent(out, "export")
+    src_dir = resolve(src)
+    index = read_index(src_dir)
+    if MAIN not in index.tensors:
+        raise CheckpointError(f"The checkpoint {src_dir} holds no main weights; it cannot be exported.")
+    piece = slice_bytes(memory_budget_bytes, io_threads)
+    check_files(src_dir, index, threads=io_threads, chunk=min(8 << 20, piece))
+    tensors = model_order(index)
+    shards = _split(tensors, target.itemsize, max_shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = sum(math.prod(shape) for _, shape in tensors) * target.itemsize
+    chunk_elems = piece // (4 + target.itemsize)  # an fp32 chunk and its cast copy
+    done, lock = [0], threading.Lock()
+    tmp = temp_dir_for(out, "export")
+
+    def write_shard(job) -> None:
+        file, members = job
+        entries = [(name, dtype_name(target), shape) for name, shape in members]
+        writer = TensorFileWriter(tmp / file, entries, metadata={"format": "pt"})
+        try:
+            with CheckpointReader(src_dir, index, max_mapped_bytes=chunk_elems * 4) as reader:
+                for name, shape in members:
+                    for chunk in reader.chunks(MAIN, name, 0, math.prod(shape), chunk_elems):
+                        writer.write(chunk.to(target))
+                        with lock:
+                            done[0] += chunk.numel() * target.itemsize
+                            if progress is not None:
+                                progress(done[0], total)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+
+    try:
+        with ThreadPoolExecutor(max(1, io_threads)) as pool:
+            list(pool.map(write_shard, zip(names, shards, strict=True)))
+        weight_map = {name: file for file, members in zip(names, shards, strict=True) for name, _ in members}
+        with open(tmp / INDEX_FILE, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        publish_dir(tmp, out)
+    except OSError as err:
+        remove_quietly(tmp)
+        raise write_failed(out, err) from None
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    return ExportResult(out, total, len(names), len(tensors), time.perf_counter() - started)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(f"Export dtype '{dtype}' is not supported; use one of {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def _split(tensors, itemsize: int, max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Consecutive tensors per file, each file at most `max_shard_bytes` unless one tensor alone is larger."""
+    shards: list[list] = [[]]
+    size = 0
+    for name, shape in tensors:
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards

@@ -1,0 +1,76 @@
+"""Write a checkpoint of any layout from full tensors held by one process.
+
+This is the offline writer fed from memory instead of from another checkpoint:
+the same plan, the same files, the same index as an online save of that layout.
+It turns an unsharded model (or a synthetic one, for benchmarks and tests) into
+an hfsdp checkpoint without starting a process group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hfsdp.ckpt.build import MemorySource, write_index, write_layout
+from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.index import MAIN, CheckpointIndex, GroupSpec, meshes_of
+from hfsdp.ckpt.store import ensure_absent, publish_dir, remove_quietly, temp_dir_for, write_failed
+from hfsdp.ckpt.writer import dtype_name
+from hfsdp.core.config import LayoutConfig
+
+
+def write_from_tensors(
+    dst: str | Path,
+    cfg: LayoutConfig,
+    groups: list[GroupSpec],
+    tensors: dict[str, dict[str, torch.Tensor]],
+    *,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+    optimizer: dict[str, Any] | None = None,
+    io_threads: int = 4,
+) -> Path:
+    """Write `tensors` (kind -> global name -> full tensor) as the checkpoint directory `dst` of layout `cfg`.
+
+    `groups` is the structure of layout `cfg` (expert groups per ep rank);
+    `optimizer` the index's optimizer record ({"type", "step_count", "hyper",
+    "states"}), or None for weights only.
+    """
+    dst = Path(dst)
+    ensure_absent(dst, "writing a checkpoint")
+    shapes = {name: shape for g in groups for name, shape in g.members}
+    for kind, entries in tensors.items():
+        for name, shape in shapes.items():
+            if name not in entries or tuple(entries[name].shape) != tuple(shape):
+                raise CheckpointError(
+                    f"Tensor '{name}' of kind '{kind}' is missing or does not have shape {list(shape)}; "
+                    "pass one full tensor per kind for every member of the groups."
+                )
+    if MAIN not in tensors:
+        raise CheckpointError("A checkpoint needs the fp32 'main' weights; pass them under tensors['main'].")
+    dtypes = {(k, n): dtype_name(t.dtype) for k, entries in tensors.items() for n, t in entries.items()}
+    tmp = temp_dir_for(dst, "write")
+    try:
+        source = MemorySource({k: {n: t.detach().cpu().contiguous() for n, t in e.items()} for k, e in tensors.items()})
+        written, files = write_layout(tmp, cfg, groups, list(tensors), dtypes, lambda: source, io_threads=io_threads)
+        index = CheckpointIndex(
+            step=step,
+            layout=cfg.to_dict(),
+            meshes=meshes_of(cfg),
+            extra=dict(extra or {}),
+            optimizer=optimizer,
+            groups=list(groups),
+            tensors=written,
+            files=files,
+        )
+        write_index(tmp, index)
+        publish_dir(tmp, dst)
+    except OSError as err:
+        remove_quietly(tmp)
+        raise write_failed(dst, err) from None
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    return dst

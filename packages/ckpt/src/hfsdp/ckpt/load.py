@@ -1,0 +1,154 @@
+"""Load a checkpoint into a ShardedModel of any layout (reshard on load).
+
+Each rank asks, for every member of every group, which flat sub-range of the
+tensor its optimizer range covers, and reads only those elements (of "main" and
+each optimizer state) through lazy slices; the range arithmetic is the same as
+the offline reshard's (`pieces.py`). Experts are looked up by global name, so ep
+may change. The compute-dtype weights are not read: they are re-derived from
+the fp32 main weights with `publish_main_weights`, exactly as after an optimizer
+step, so parameters and main weights always agree and a same-layout resume is
+bit-identical.
+
+Every check that can fail does so on all ranks together (the checks run on
+gathered data, and read errors are exchanged before the first collective of
+the engine), so a bad checkpoint raises a CheckpointError everywhere instead of
+leaving ranks waiting.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hfsdp.ckpt.agree import agree
+from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.index import MAIN, MODEL, CheckpointIndex, read_index
+from hfsdp.ckpt.model_state import buffers, check_optimizer, local_groups, restore_optimizer
+from hfsdp.ckpt.pieces import intersect
+from hfsdp.ckpt.reader import CheckpointReader
+from hfsdp.ckpt.store import check_files, check_sizes, resolve
+
+
+def load_checkpoint(
+    path: str | Path, model, optimizer=None, *, restore_rng: bool = True, verify_checksums: bool = True
+) -> dict[str, Any]:
+    """Load `path` (a checkpoint, or a root whose `latest` names one) into `model` and `optimizer`; collective.
+
+    Returns the `extra` dict given to `save_checkpoint`, with "step" added when
+    it was not there. RNG states are restored only when the world size is the
+    one the checkpoint was saved with (rank r gets rank r's state). Every file
+    of the checkpoint must be present with its recorded size; the files this
+    rank reads are checksummed unless `verify_checksums` is False.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt_dir, index = agree(lambda: _open(path))
+    mine = agree(lambda: [m for g in local_groups(model, rank) for m in g.members])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    agree(lambda: _check_model(ckpt_dir, index, gathered, optimizer))
+    rng = index.rng.get(str(rank)) if restore_rng and int(index.layout.get("world_size", -1)) == world else None
+    agree(lambda: _read_states(ckpt_dir, index, model, optimizer, rng["file"] if rng else None, verify_checksums))
+
+    for group in model.groups:  # collective: every rank, every group, model order
+        group.publish_main_weights()
+    if optimizer is not None:
+        restore_optimizer(optimizer, index.optimizer)
+    if rng:
+        _restore_rng(ckpt_dir, rng)
+    extra = dict(index.extra)
+    extra.setdefault("step", index.step)
+    return extra
+
+
+def _open(path) -> tuple[Path, CheckpointIndex]:
+    ckpt_dir = resolve(path)
+    return ckpt_dir, read_index(ckpt_dir)
+
+
+def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered, optimizer) -> None:
+    """The model and the checkpoint must have the same parameters with the same shapes, and the states we need."""
+    model_shapes: dict[str, tuple[int, ...]] = {}
+    for members in gathered:
+        model_shapes.update((name, tuple(shape)) for name, shape in members)
+    saved = index.tensors.get(MAIN, {})
+    missing = sorted(set(model_shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(model_shapes))
+    wrong = sorted(n for n in set(model_shapes) & set(saved) if tuple(saved[n].shape) != model_shapes[n])
+    hint = "it is a checkpoint of another model. Load it into the model that saved it."
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint {ckpt_dir} has no parameter '{missing[0]}' of the model ({len(missing)} missing in all); "
+            + hint
+        )
+    if wrong:
+        name = wrong[0]
+        raise CheckpointError(
+            f"Parameter '{name}' has shape {list(model_shapes[name])} in the model but {list(saved[name].shape)} in "
+            f"the checkpoint {ckpt_dir} ({len(wrong)} shape mismatches in all); " + hint
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"The checkpoint {ckpt_dir} has parameter '{unexpected[0]}', which the model lacks "
+            f"({len(unexpected)} unexpected in all); " + hint
+        )
+    if optimizer is not None:
+        check_optimizer(optimizer, index.optimizer, str(ckpt_dir))
+        for name in optimizer.state_names:
+            if name not in index.tensors:
+                raise CheckpointError(
+                    f"The checkpoint {ckpt_dir} has no optimizer state '{name}' (it holds {', '.join(index.kinds)}); "
+                    "it was saved with another optimizer or none. Load it with optimizer=None or the same optimizer."
+                )
+
+
+def _read_states(ckpt_dir: Path, index: CheckpointIndex, model, optimizer, rng_file: str | None, checksums: bool):
+    """Fill main weights and optimizer states of this rank's optimizer ranges, verifying the files read.
+
+    Every file is checksummed and every piece located before the first buffer is
+    touched, so a damaged checkpoint is refused without clobbering the model.
+    """
+    plan = []  # (kind, global name, start in the flat tensor, destination view)
+    for gi, group in enumerate(model.groups):
+        lo, hi = group.optim_range
+        for kind, (buf, base) in buffers(model, optimizer, gi).items():
+            if kind == MODEL:
+                continue
+            for slot in group.slots:
+                hit = intersect((slot.offset, slot.offset + slot.numel), (lo, hi))
+                if hit is not None:
+                    name = model.global_name(group, slot.name)
+                    plan.append((kind, name, hit[0] - slot.offset, buf[hit[0] - base : hit[1] - base]))
+    reader = CheckpointReader(ckpt_dir, index)
+    files = {rng_file} if rng_file else set()
+    for kind, name, start, out in plan:
+        files |= reader.files_for(kind, name, start, start + out.numel())
+    check_sizes(ckpt_dir, index)
+    if checksums:
+        check_files(ckpt_dir, index, files)
+    with reader:
+        for kind, name, start, out in plan:
+            reader.locate(kind, name, start, start + out.numel())
+    with reader, torch.no_grad():
+        for gi in range(len(model.groups)):
+            for kind, (buf, _) in buffers(model, optimizer, gi).items():
+                if kind != MODEL:
+                    buf.zero_()  # padding stays zero
+        for kind, name, start, out in plan:
+            reader.read_into(kind, name, start, out)
+
+
+def _restore_rng(ckpt_dir: Path, meta: dict) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt_dir / meta["file"]), framework="pt") as f:
+        keys = set(f.keys())
+        if "rng/torch_cpu" in keys:
+            torch.set_rng_state(f.get_tensor("rng/torch_cpu"))
+        if "rng/torch_cuda" in keys and torch.cuda.is_available():
+            torch.cuda.set_rng_state(f.get_tensor("rng/torch_cuda"))
+    version, state, gauss = meta["python"]
+    random.setstate((version, tuple(state), gauss))

@@ -1,0 +1,138 @@
+"""Read any flat range of a checkpoint tensor through safetensors' lazy slices.
+
+`safe_open(...).get_slice(key)[a:b]` maps the file and hands back a view of just
+those elements, so reading costs what is read, not what the file holds. Mapped
+pages count towards the process's memory until the file is closed, so the
+reader closes every open file once `max_mapped_bytes` have been read through
+it: memory stays bounded by what is in flight, not by the model.
+
+Every problem is reported as a CheckpointError naming the file: a missing file,
+a key the index promises but the file lacks, a piece of the wrong length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.index import CheckpointIndex, Piece
+from hfsdp.ckpt.pieces import intersect
+from hfsdp.ckpt.writer import SAFETENSORS_DTYPES
+
+
+class CheckpointReader:
+    """Reads flat ranges of (kind, name) tensors of one checkpoint directory."""
+
+    def __init__(self, ckpt_dir: Path, index: CheckpointIndex, max_mapped_bytes: int = 256 << 20):
+        self.dir, self.index = Path(ckpt_dir), index
+        self.max_mapped_bytes = max_mapped_bytes
+        self._handles: dict[str, object] = {}
+        self._mapped = 0
+
+    def entry(self, kind: str, name: str):
+        try:
+            return self.index.tensors[kind][name]
+        except KeyError:
+            raise CheckpointError(
+                f"The checkpoint {self.dir} has no '{kind}' tensor '{name}'; it is a checkpoint of another model "
+                "or optimizer. Load it into the model that saved it, or convert it first."
+            ) from None
+
+    def files_for(self, kind: str, name: str, start: int, stop: int) -> set[str]:
+        return {p.file for p in self.entry(kind, name).pieces if intersect((p.start, p.stop), (start, stop))}
+
+    def chunks(
+        self, kind: str, name: str, start: int, stop: int, max_elems: int, read: bool = True
+    ) -> Iterator[torch.Tensor | None]:
+        """Consecutive 1-D chunks of at most `max_elems` elements covering [start, stop) of the flattened tensor."""
+        entry = self.entry(kind, name)
+        position = start
+        for piece in sorted(entry.pieces, key=lambda p: p.start):
+            hit = intersect((piece.start, piece.stop), (position, stop))
+            if hit is None:
+                continue
+            if hit[0] != position:
+                break
+            for lo in range(hit[0], hit[1], max_elems):
+                hi = min(lo + max_elems, hit[1])
+                yield self._read(piece, entry.dtype, lo - piece.start, hi - piece.start, read)
+                position = hi
+        if position != stop:
+            raise CheckpointError(
+                f"The index of {self.dir} covers elements {start}..{position} of '{kind}' tensor '{name}' but not "
+                f"{position}..{stop}: the index is inconsistent. Run `hfsdp ckpt verify` and restore the checkpoint."
+            )
+
+    def locate(self, kind: str, name: str, start: int, stop: int) -> None:
+        """Check that pieces covering [start, stop) exist in the files with the right lengths, reading nothing."""
+        for _ in self.chunks(kind, name, start, stop, 1 << 62, read=False):
+            pass
+
+    def read_into(self, kind: str, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill `out` (1-D) with elements [start, start + len(out)) of the flattened tensor."""
+        done = 0
+        for chunk in self.chunks(kind, name, start, start + out.numel(), 1 << 62):
+            out[done : done + chunk.numel()].copy_(chunk)
+            done += chunk.numel()
+
+    def _read(self, piece: Piece, dtype: str, lo: int, hi: int, read: bool = True) -> torch.Tensor | None:
+        path = self.dir / piece.file
+        handle = self._open(path, piece.file)
+        try:
+            view = handle.get_slice(piece.key)
+            shape, code = view.get_shape(), view.get_dtype()
+        except SafetensorError as err:
+            raise CheckpointError(
+                f"{path} has no tensor '{piece.key}' ({err}), but the index says it holds elements "
+                f"{piece.start}..{piece.stop} there: the index disagrees with the files. Restore the checkpoint."
+            ) from None
+        if list(shape) != [piece.stop - piece.start]:
+            raise CheckpointError(
+                f"In {path}, tensor '{piece.key}' has shape {list(shape)} but the index records "
+                f"{piece.stop - piece.start} elements: the index disagrees with the files. Restore the checkpoint."
+            )
+        if code != SAFETENSORS_DTYPES.get(dtype):
+            raise CheckpointError(
+                f"In {path}, tensor '{piece.key}' has dtype {code} but the index records {dtype}: the index "
+                "disagrees with the files. Restore the checkpoint."
+            )
+        if not read:
+            return None
+        chunk = view[lo:hi]
+        self._mapped += chunk.numel() * chunk.element_size()
+        return chunk
+
+    def _open(self, path: Path, name: str):
+        if self._mapped >= self.max_mapped_bytes:
+            self.close()
+        handle = self._handles.get(name)
+        if handle is None:
+            if not path.is_file():
+                raise CheckpointError(
+                    f"{path} is missing: the index of {self.dir} lists it, so the checkpoint is incomplete. "
+                    "Restore the file from the machine or copy that wrote it."
+                )
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(
+                    f"{path} is not a readable safetensors file ({err}); it is truncated or damaged. "
+                    "Restore it from a good copy."
+                ) from None
+            self._handles[name] = handle
+        return handle
+
+    def close(self) -> None:
+        """Drop every open file (and with it every mapping not still referenced by a chunk in flight)."""
+        self._handles.clear()
+        self._mapped = 0
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

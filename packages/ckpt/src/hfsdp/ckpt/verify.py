@@ -1,0 +1,119 @@
+"""`verify`: is this checkpoint exactly what its index says? `inspect`: what does it hold?
+
+verify checks every file's size and sha256, then that the index agrees with the
+files and with itself: each piece names a file and key that exist, with the
+index's dtype and the piece's length; the pieces of every tensor cover it
+exactly once; every state kind holds the same tensors; the group structure
+lists exactly those tensors with their shapes. It reads headers, not data,
+beyond the checksums.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.index import MAIN, CheckpointIndex, read_index
+from hfsdp.ckpt.reader import CheckpointReader
+from hfsdp.ckpt.store import check_files, resolve
+from hfsdp.ckpt.writer import torch_dtype
+
+
+def verify(path: str | Path, io_threads: int = 4) -> dict[str, Any]:
+    """Raise CheckpointError on the first problem found; return a short summary when there is none."""
+    ckpt_dir = resolve(path)
+    index = read_index(ckpt_dir)
+    checked = check_files(ckpt_dir, index, threads=io_threads)
+    _check_consistency(ckpt_dir, index)
+    return {
+        "path": str(ckpt_dir),
+        "files": len(index.files),
+        "bytes": checked,
+        "tensors": len(index.tensors.get(MAIN, {})),
+        "kinds": index.kinds,
+    }
+
+
+def _check_consistency(ckpt_dir: Path, index: CheckpointIndex) -> None:
+    where = f"The index of {ckpt_dir}"
+    fix = "Restore the checkpoint from a copy or re-save it."
+    group_shapes = {name: shape for g in index.groups for name, shape in g.members}
+    if len(group_shapes) != sum(len(g.members) for g in index.groups):
+        raise CheckpointError(f"{where} lists a parameter in more than one group. {fix}")
+    if index.order and sorted(index.order) != sorted(group_shapes):
+        raise CheckpointError(f"{where} records a parameter order that does not list exactly its parameters. {fix}")
+    with CheckpointReader(ckpt_dir, index) as reader:
+        for kind, entries in index.tensors.items():
+            if set(entries) != set(group_shapes):
+                odd = sorted(set(entries) ^ set(group_shapes))[0]
+                raise CheckpointError(
+                    f"{where} disagrees with itself: '{kind}' tensor '{odd}' is in the tensors or the group "
+                    f"structure but not both. {fix}"
+                )
+            for name, entry in entries.items():
+                if tuple(entry.shape) != tuple(group_shapes[name]):
+                    raise CheckpointError(
+                        f"{where} gives '{kind}' tensor '{name}' shape {list(entry.shape)} but its group lists "
+                        f"{list(group_shapes[name])}. {fix}"
+                    )
+                position = 0
+                for piece in sorted(entry.pieces, key=lambda p: p.start):
+                    if piece.file not in index.files:
+                        raise CheckpointError(
+                            f"{where} puts a piece of '{kind}' tensor '{name}' in {piece.file}, which it lists no "
+                            f"checksum for. {fix}"
+                        )
+                    if piece.start != position or piece.stop <= piece.start:
+                        problem = "overlap" if piece.start < position else "leave a gap"
+                        problem = "include an empty one" if piece.stop <= piece.start else problem
+                        raise CheckpointError(
+                            f"{where}: the pieces of '{kind}' tensor '{name}' {problem} at element {position} "
+                            f"(piece {piece.start}..{piece.stop} in {piece.file}). {fix}"
+                        )
+                    position = piece.stop
+                if position != entry.numel:
+                    raise CheckpointError(
+                        f"{where}: the pieces of '{kind}' tensor '{name}' cover {position} of its {entry.numel} "
+                        f"elements. {fix}"
+                    )
+                reader.locate(kind, name, 0, entry.numel)
+                reader.close()  # headers only: keep nothing mapped
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """What a checkpoint holds: layout, step, optimizer, tensors (shapes, dtypes, bytes) and files."""
+    ckpt_dir = resolve(path)
+    index = read_index(ckpt_dir)
+    try:
+        layout_name = index.config().layout_name
+    except Exception:  # an index with an invalid layout is still worth inspecting
+        layout_name = "invalid layout"
+    tensors = []
+    for name, main in index.tensors.get(MAIN, {}).items():
+        dtypes = {kind: entries[name].dtype for kind, entries in index.tensors.items() if name in entries}
+        itemsizes = sum(torch_dtype(d).itemsize for d in dtypes.values())
+        tensors.append(
+            {
+                "name": name,
+                "shape": list(main.shape),
+                "numel": main.numel,
+                "dtypes": dtypes,
+                "bytes": main.numel * itemsizes,  # all kinds together
+                "pieces": len(main.pieces),
+            }
+        )
+    return {
+        "path": str(ckpt_dir),
+        "step": index.step,
+        "layout": {**index.layout, "name": layout_name},
+        "meshes": index.meshes,
+        "optimizer": index.optimizer,
+        "extra": index.extra,
+        "kinds": index.kinds,
+        "groups": len(index.groups),
+        "tensors": tensors,
+        "parameters": sum(t["numel"] for t in tensors),
+        "files": [{"name": n, "bytes": f.bytes, "sha256": f.sha256} for n, f in index.files.items()],
+        "total_bytes": sum(f.bytes for f in index.files.values()),
+    }

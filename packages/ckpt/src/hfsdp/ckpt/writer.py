@@ -1,0 +1,115 @@
+"""A streaming safetensors writer: header first, then the bytes, hashed on the way out.
+
+`safetensors.torch.save_file` needs every tensor in memory at once. A rank's
+file, or a reshard's target file, can be larger than the memory we allow, so
+this writer takes the list of tensors (key, dtype, shape) up front, writes the
+header, and then accepts each tensor's bytes in any number of consecutive
+chunks. The sha256 is computed from the same buffers as they are written, so
+checksumming costs no second read. The result is a plain safetensors file that
+any reader opens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.index import FileEntry
+
+#: torch dtype name -> safetensors dtype code.
+SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"The checkpoint names dtype '{name}', which this torch does not know.")
+    return dtype
+
+
+class TensorFileWriter:
+    """Writes one safetensors file whose tensors are declared up front and streamed in order."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):
+        self.path = Path(path)
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        self._sizes: list[tuple[str, int]] = []
+        offset = 0
+        for key, dtype, shape in entries:
+            nbytes = math.prod(shape) * torch_dtype(dtype).itemsize
+            code = SAFETENSORS_DTYPES[dtype]
+            header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._sizes.append((key, nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # align the data to 8 bytes, as safetensors itself does
+        self.data_bytes = offset
+        self._hash = hashlib.sha256()
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in finish/abort
+        self._entry, self._left = -1, 0
+        self._emit(struct.pack("<Q", len(raw)) + raw)
+        self._next_entry()
+
+    def _emit(self, data) -> None:
+        self._hash.update(data)
+        self._file.write(data)
+
+    def _next_entry(self) -> None:
+        while self._left == 0 and self._entry + 1 < len(self._sizes):
+            self._entry += 1
+            self._left = self._sizes[self._entry][1]
+
+    def write(self, chunk: torch.Tensor) -> None:
+        """Append `chunk`'s bytes to the current tensor (and move on to the next one when it is full)."""
+        data = memoryview(chunk.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        if data.nbytes > self._left:
+            key = self._sizes[self._entry][0] if self._entry >= 0 else "?"
+            raise CheckpointError(
+                f"Internal error while writing {self.path}: {data.nbytes} bytes offered for '{key}', which has "
+                f"{self._left} bytes left; please report this as an hfsdp bug."
+            )
+        if data.nbytes:
+            self._emit(data)
+            self._left -= data.nbytes
+            self._next_entry()
+
+    def finish(self) -> FileEntry:
+        """Flush and fsync the file; return its checksum and size."""
+        if self._left or self._entry + 1 < len(self._sizes):
+            self.abort()
+            raise CheckpointError(
+                f"Internal error: {self.path} was closed before all its tensors were written; "
+                "please report this as an hfsdp bug."
+            )
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        return FileEntry(self._hash.hexdigest(), size)
+
+    def abort(self) -> None:
+        self._file.close()

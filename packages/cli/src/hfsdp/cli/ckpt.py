@@ -1,0 +1,224 @@
+"""`hfsdp ckpt`: reshard, export, inspect and verify checkpoints from the shell.
+
+Exit codes: 0 done; 1 the target layout is invalid (every problem printed);
+2 the checkpoint or destination is at fault (one paragraph naming the file and
+the fix, never a traceback). torch and safetensors are imported inside the
+commands, so `hfsdp --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+EXIT_OK, EXIT_INVALID_LAYOUT, EXIT_CHECKPOINT = 0, 1, 2
+MIB = 1 << 20
+
+app = typer.Typer(
+    name="ckpt",
+    help="Reshard, export, inspect and verify hfsdp checkpoints.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+class ExportDtype(StrEnum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class OutputFormat(StrEnum):
+    text = "text"
+    json = "json"
+
+
+def _console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, soft_wrap=True, highlight=False)
+
+
+def _fail(command: str, message: str) -> typer.Exit:
+    _console(stderr=True).print(f"hfsdp ckpt {command}: {message}", markup=False)
+    return typer.Exit(EXIT_CHECKPOINT)
+
+
+def _guarded(command: str, fn):
+    """Run `fn`, turning every checkpoint or file-system failure into one paragraph and exit code 2."""
+    from hfsdp.ckpt import CheckpointError
+
+    try:
+        return fn()
+    except CheckpointError as err:
+        raise _fail(command, str(err)) from None
+    except OSError as err:
+        raise _fail(command, f"{err.filename or 'a file'}: {err.strerror or err}; check the path and rights.") from None
+
+
+def _progress(label: str):
+    """A rich progress bar and the (done, total) callback that drives it."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(
+        f"[bold]{label}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=_console(stderr=True),
+        transient=True,
+    )
+    task = bar.add_task(label, total=None)
+
+    def update(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+
+    return bar, update
+
+
+@app.command()
+def reshard(
+    src: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
+    dst: Annotated[Path, typer.Argument(help="New directory to write (must not exist).")],
+    world_size: Annotated[int, typer.Option("--world-size", help="World size of the target layout.")],
+    instances: Annotated[int | None, typer.Option(help="Optimizer instances (outer axis size).")] = None,
+    outer: Annotated[str | None, typer.Option(help="Outer sharding strategy.")] = None,
+    inner: Annotated[str | None, typer.Option(help="Inner sharding strategy.")] = None,
+    ep: Annotated[int | None, typer.Option(help="Expert-parallel size.")] = None,
+    expert_strategy: Annotated[str | None, typer.Option("--expert-strategy", help="Expert sharding strategy.")] = None,
+    io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
+    memory_budget: Annotated[int, typer.Option("--memory-budget", help="Bytes in flight, in MiB.")] = 256,
+) -> None:
+    """Rewrite a checkpoint for another layout; options not given keep the source's values."""
+    from hfsdp.ckpt import read_index, resolve
+    from hfsdp.ckpt import reshard as do_reshard
+    from hfsdp.core.config import ConfigError, LayoutConfig
+
+    index = _guarded("reshard", lambda: read_index(resolve(src)))
+    given = {"instances": instances, "outer": outer, "inner": inner, "ep": ep, "expert_strategy": expert_strategy}
+    fields = {**index.layout, "world_size": world_size, **{k: v for k, v in given.items() if v is not None}}
+    try:
+        target = LayoutConfig(**fields)
+    except ConfigError as err:
+        batch_only = all(p.field in ("global_batch_size", "micro_batch_size") for p in err.problems)
+        if not batch_only:
+            _report_invalid(err)
+            raise typer.Exit(EXIT_INVALID_LAYOUT) from None
+        # The batch sizes are the training loop's business, not the checkpoint's: drop them, say so.
+        target = LayoutConfig(**{**fields, "global_batch_size": None, "micro_batch_size": None})
+        _console(stderr=True).print(
+            "note: the source's global/micro batch sizes do not fit the new world size; the target records none.",
+            markup=False,
+        )
+    bar, update = _progress("reshard")
+    with bar:
+        result = _guarded(
+            "reshard",
+            lambda: do_reshard(
+                src, dst, target, io_threads=io_threads, memory_budget_bytes=memory_budget * MIB, progress=update
+            ),
+        )
+    _console().print(
+        f"Resharded {result.source} ({index.config().layout_name}, world {index.layout['world_size']}) to {dst} "
+        f"({target.layout_name}, world {target.world_size}): {result.files} files, {result.bytes_written / 1e9:.3f} GB "
+        f"in {result.seconds:.2f} s ({result.gb_per_s:.2f} GB/s).",
+        markup=False,
+    )
+
+
+def _report_invalid(err) -> None:
+    console = _console(stderr=True)
+    console.print(f"hfsdp ckpt reshard: the target layout is invalid ({len(err.problems)} problem(s)):", markup=False)
+    for p in err.problems:
+        console.print(f"  - {p.field}: {p.message}", markup=False)
+
+
+@app.command()
+def export(
+    src: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
+    out: Annotated[Path, typer.Argument(help="New directory for the safetensors files (must not exist).")],
+    dtype: Annotated[ExportDtype, typer.Option(help="dtype of the exported weights.")] = ExportDtype.bf16,
+    max_shard_size: Annotated[int, typer.Option("--max-shard-size", help="Largest file, in MiB.")] = 5000,
+    io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
+) -> None:
+    """Write the consolidated model weights as standard, size-split safetensors files plus their index."""
+    from hfsdp.ckpt import export as do_export
+
+    bar, update = _progress("export")
+    with bar:
+        result = _guarded(
+            "export",
+            lambda: do_export(
+                src, out, dtype.value, max_shard_bytes=max_shard_size * MIB, io_threads=io_threads, progress=update
+            ),
+        )
+    _console().print(
+        f"Exported {result.tensors} tensors ({dtype.value}) to {out}: {result.files} file(s), "
+        f"{result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s.",
+        markup=False,
+    )
+
+
+@app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
+    output_format: Annotated[OutputFormat, typer.Option("--format", help="text for people, json for scripts.")] = (
+        OutputFormat.text
+    ),
+) -> None:
+    """Show a checkpoint's layout, step, optimizer, tensors and files."""
+    from hfsdp.ckpt import inspect as do_inspect
+
+    info = _guarded("inspect", lambda: do_inspect(path))
+    if output_format is OutputFormat.json:
+        typer.echo(json.dumps(info, indent=2))
+    else:
+        _print_inspect(info)
+
+
+def _print_inspect(info: dict[str, Any]) -> None:
+    console = _console()
+    layout = info["layout"]
+    say = lambda text: console.print(text, markup=False)  # noqa: E731
+    say(f"{info['path']}: step {info['step']}")
+    say(f"Layout: {layout['name']}, world size {layout['world_size']}")
+    if layout.get("num_moe_experts"):
+        say(f"Experts: {layout['num_moe_experts']}, ep {layout['ep']}")
+    opt = info["optimizer"]
+    if opt:
+        hyper = ", ".join(f"{k}={v}" for k, v in opt["hyper"].items())
+        say(f"Optimizer: {opt['type']} at step {opt['step_count']}, {hyper}")
+    say(f"State kinds: {', '.join(info['kinds'])}")
+    if info["extra"]:
+        say(f"Extra: {json.dumps(info['extra'])}")
+    say(f"{len(info['tensors'])} tensors, {info['parameters']:,} parameters:")
+    width = max((len(t["name"]) for t in info["tensors"]), default=0)
+    for t in info["tensors"]:
+        dtypes = ", ".join(f"{k}={v}" for k, v in t["dtypes"].items())
+        say(f"  {t['name'].ljust(width)}  {t['shape']!s:<14} {t['bytes']:>12,} B  {dtypes}")
+    say(f"{len(info['files'])} files, {info['total_bytes']:,} bytes:")
+    for f in info["files"]:
+        say(f"  {f['name']}  {f['bytes']:>12,}  sha256 {f['sha256'][:16]}")
+
+
+@app.command()
+def verify(
+    path: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
+) -> None:
+    """Check every file's checksum and that the index agrees with the files; exit 2 on the first problem."""
+    from hfsdp.ckpt import verify as do_verify
+
+    started = time.perf_counter()
+    summary = _guarded("verify", lambda: do_verify(path))
+    _console().print(
+        f"{summary['path']} is intact: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} "
+        f"tensors x {len(summary['kinds'])} kinds ({', '.join(summary['kinds'])}) checked in "
+        f"{time.perf_counter() - started:.2f} s.",
+        markup=False,
+    )

@@ -1,0 +1,409 @@
+"""Toy models, training loops and synthetic checkpoints for the checkpoint tests.
+
+Two models, sized oddly so every layout has padding:
+- `Toy`: input layer, three residual blocks (the units), head.
+- `MoEToy`: the same shape with mixture-of-experts blocks. Expert parameters are
+  named `...local_experts.{j}...` and marked `allreduce = False`; local expert j
+  on ep rank e is initialised from the seed of its global index, so every ep
+  builds the same global model. Under ep > 1 each rank gathers the tokens of its
+  expert-parallel group, runs them through its local experts, and the partial
+  outputs are summed back to the owning rank (autograd functions whose backward
+  is the matching collective), which is exactly the single-process model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfsdp.ckpt.groups import retarget_groups
+from hfsdp.ckpt.index import GroupSpec
+
+NUM_EXPERTS = 4
+GLOBAL_BATCH, MICROBATCHES = 12, 1
+LR, WEIGHT_DECAY = 1e-2, 0.1
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.a = nn.Linear(d, 13)
+        self.b = nn.Linear(13, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 11)
+        self.fc2 = nn.Linear(11, d)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 over the ep group; backward sums the gradients and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].contiguous(), None
+
+
+class _ScatterSum(torch.autograd.Function):
+    """Sum partial outputs over the ep group and keep this rank's tokens; backward all-gathers the gradients."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, d: int, layer: int, ep: int, ep_rank: int, group, seed: int):
+        super().__init__()
+        self.router = nn.Linear(d, NUM_EXPERTS)
+        self.first, self.group = ep_rank * (NUM_EXPERTS // ep), group
+        experts = []
+        for j in range(NUM_EXPERTS // ep):
+            with torch.random.fork_rng():
+                torch.manual_seed(seed * 1000 + 100 * layer + self.first + j)
+                experts.append(Expert(d))
+        self.local_experts = nn.ModuleList(experts)
+        for p in self.local_experts.parameters():
+            p.allreduce = False
+
+    def forward(self, x):
+        d = x.shape[-1]
+        both = torch.cat([x, torch.softmax(self.router(x), -1)], -1)
+        if self.group is not None:
+            both = _GatherTokens.apply(both, self.group)
+        xs, gates = both[:, :d], both[:, d:]
+        out = torch.zeros_like(xs)
+        for j, expert in enumerate(self.local_experts):
+            k = self.first + j
+            out = out + gates[:, k : k + 1] * expert(xs)
+        if self.group is not None:
+            out = _ScatterSum.apply(out, self.group)
+        return x + out
+
+
+class Toy(nn.Module):
+    def __init__(self, moe: bool = False, ep: int = 1, ep_rank: int = 0, group=None, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(8, 16)
+        blocks = [MoEBlock(16, i, ep, ep_rank, group, seed) if moe else Block(16) for i in range(2 if moe else 3)]
+        self.layers = nn.ModuleList(blocks)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return ((self.head(h).squeeze(-1) - y) ** 2).mean()
+
+
+def data(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, generator=g)
+
+
+def reference(moe: bool, steps: int):
+    """Single-process torch.optim.AdamW run: losses per step and parameters after each step."""
+    model = Toy(moe=moe)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, params = [], []
+    for k in range(steps):
+        x, y = data(k)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, params
+
+
+def _ep_group(ep: int):
+    """This rank's expert-parallel group (consecutive ranks), created collectively on every rank."""
+    if ep == 1:
+        return None
+    mine = None
+    for first in range(0, dist.get_world_size(), ep):
+        group = dist.new_group(list(range(first, first + ep)))
+        if first <= dist.get_rank() < first + ep:
+            mine = group
+    return mine
+
+
+def engine(layout: dict, moe: bool = False, seed: int = 0, bf16: bool = False):
+    """A sharded Toy (or MoEToy) and its ShardedAdamW on this process group, for layout `layout`."""
+    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.expert_naming import ExpertNaming
+    from hfsdp.core.flat_group import MixedPrecision
+    from hfsdp.core.mesh import build_meshes
+    from hfsdp.core.optimizer import ShardedAdamW
+    from hfsdp.core.sharded_model import fully_shard
+
+    cfg = LayoutConfig(world_size=dist.get_world_size(), **layout)
+    meshes = build_meshes(cfg, "cpu")
+    ep_rank = dist.get_rank() % cfg.ep
+    model = Toy(moe, cfg.ep, ep_rank, _ep_group(cfg.ep), seed)
+    naming = ExpertNaming(NUM_EXPERTS, cfg.ep, ep_rank) if moe else None
+    mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    sm = fully_shard(model, cfg, meshes, units=list(model.layers), mp=mp, expert_naming=naming)
+    return sm, ShardedAdamW(sm.groups, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def train(sm, opt, steps: int, start: int = 0) -> list[float]:
+    """`steps` optimizer steps on the global batches start.. ; returns the global mean loss of each."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b = GLOBAL_BATCH // (MICROBATCHES * world)
+    losses = []
+    for k in range(start, start + steps):
+        x, y = data(k)
+        total = torch.zeros(())
+        for mb in range(MICROBATCHES):
+            sm.set_microbatch(mb, MICROBATCHES)
+            c = mb * world + rank
+            loss = sm(x[c * b : (c + 1) * b], y[c * b : (c + 1) * b])
+            loss.backward()
+            total += loss.detach()
+        dist.all_reduce(total)
+        losses.append(total.item() / (MICROBATCHES * world))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+# -- synthetic checkpoints (one process, no training) -------------------------------------
+
+
+def synthetic_groups(moe: bool, ep: int = 1) -> list[GroupSpec]:
+    """The group structure of Toy / MoEToy for expert-parallel size `ep`."""
+
+    def linear(prefix, n_in, n_out):
+        return [(f"{prefix}.weight", (n_out, n_in)), (f"{prefix}.bias", (n_out,))]
+
+    groups = []
+    for i in range(2 if moe else 3):
+        if moe:
+            groups.append(GroupSpec(i, False, "float32", None, tuple(linear(f"layers.{i}.router", 16, NUM_EXPERTS))))
+            experts = []
+            for k in range(NUM_EXPERTS):
+                experts += linear(f"layers.{i}.local_experts.{k}.fc1", 16, 11)
+                experts += linear(f"layers.{i}.local_experts.{k}.fc2", 11, 16)
+            groups.append(GroupSpec(i, True, "float32", 0, tuple(experts)))
+        else:
+            block = linear(f"layers.{i}.a", 16, 13) + linear(f"layers.{i}.b", 13, 16)
+            groups.append(GroupSpec(i, False, "float32", None, tuple(block)))
+    root = tuple(linear("inp", 8, 16) + linear("head", 16, 1))
+    groups.append(GroupSpec(2 if moe else 3, False, "float32", None, root))
+    return retarget_groups(groups, NUM_EXPERTS if moe else None, ep)
+
+
+def synthetic_checkpoint(path, layout: dict, moe: bool = False, model_dtype=torch.bfloat16, seed: int = 0):
+    """Write a checkpoint of random tensors (model, main, exp_avg, exp_avg_sq) for `layout`; returns its groups."""
+    from hfsdp.ckpt import write_from_tensors
+    from hfsdp.core.config import LayoutConfig
+
+    cfg = LayoutConfig(**layout)
+    groups = synthetic_groups(moe, cfg.ep)
+    dtype = str(model_dtype).removeprefix("torch.")
+    groups = [GroupSpec(g.unit_index, g.is_expert, dtype, g.ep_rank, g.members) for g in groups]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {n: s for g in groups for n, s in g.members}
+    main = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    tensors = {
+        "model": {n: t.to(model_dtype) for n, t in main.items()},
+        "main": main,
+        "exp_avg": {n: torch.randn(s, generator=gen) for n, s in shapes.items()},
+        "exp_avg_sq": {n: torch.rand(s, generator=gen) for n, s in shapes.items()},
+    }
+    optimizer = {"type": "ShardedAdamW", "step_count": 3, "hyper": {"lr": LR}, "states": ["exp_avg", "exp_avg_sq"]}
+    write_from_tensors(path, cfg, groups, tensors, step=3, extra={"consumed_samples": 72}, optimizer=optimizer)
+    return tensors
+
+
+# -- phases run on every rank by the resume tests -----------------------------------------
+
+
+def save_and_continue(root, layout: dict, moe: bool = False, bf16: bool = False, save: bool = True):
+    """Train 2 steps, save at step 2, train 2 more: the uninterrupted run, with its final local state."""
+    from hfsdp.ckpt import save_checkpoint
+
+    sm, opt = engine(layout, moe, seed=0, bf16=bf16)
+    first = train(sm, opt, 2)
+    if save:
+        save_checkpoint(root, sm, opt, step=2, extra={"consumed_samples": 2 * GLOBAL_BATCH})
+    second = train(sm, opt, 2, start=2)
+    return {"first": first, "second": second, "state": local_state(sm, opt)}
+
+
+def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False):
+    """Build a differently initialised engine, load `path` into it, train steps 2 and 3."""
+    from hfsdp.ckpt import load_checkpoint
+
+    sm, opt = engine(layout, moe, seed=1, bf16=bf16)
+    extra = load_checkpoint(path, sm, opt)
+    step_count = opt.step_count
+    losses = train(sm, opt, 2, start=2)
+    return {"losses": losses, "extra": extra, "step_count": step_count, "state": local_state(sm, opt)}
+
+
+def local_state(sm, opt) -> list[dict[str, torch.Tensor]]:
+    """This rank's flat buffers (params, main, optimizer states) per group, for bitwise comparisons."""
+    return [
+        {"param": g.param_shard.clone(), "main": g.main.clone(), **{k: v.clone() for k, v in s.items()}}
+        for g, s in zip(sm.groups, opt.state, strict=True)
+    ]
+
+
+HSDP = {"inner": "optim_grads_params", "outer": "no_shard", "instances": 2}
+HFSDP = {"inner": "optim_grads_params", "outer": "optim", "instances": 2}
+ZERO1 = {"inner": "optim"}
+ZERO3 = {"inner": "optim_grads_params"}
+MOE_EP2 = {"inner": "optim_grads_params", "ep": 2, "num_moe_experts": NUM_EXPERTS, "expert_strategy": "optim"}
+MOE_EP1 = {"inner": "optim_grads_params", "outer": "optim", "instances": 2, "num_moe_experts": NUM_EXPERTS}
+
+
+def world4_phase(rank: int, world: int, root: str):
+    """Every 4-rank run of the resume tests: saves, same-layout resumes, offline and on-load reshards."""
+    from pathlib import Path
+
+    from hfsdp.ckpt import reshard
+    from hfsdp.core.config import LayoutConfig
+
+    root = Path(root)
+    out = {}
+
+    def offline(src: str, dst: str, layout: dict) -> None:
+        if rank == 0:
+            reshard(root / src, root / dst, LayoutConfig(world_size=4, **layout), io_threads=2)
+        dist.barrier()
+
+    out["hsdp"] = save_and_continue(root / "hsdp", HSDP)
+    out["hsdp->hsdp"] = load_and_train(root / "hsdp", HSDP)
+    out["hfsdp_bf16"] = save_and_continue(root / "hfsdp_bf16", HFSDP, bf16=True)
+    out["hfsdp_bf16->hfsdp_bf16"] = load_and_train(root / "hfsdp_bf16", HFSDP, bf16=True)
+    offline("hsdp", "hsdp_to_zero3", ZERO3)
+    out["hsdp->zero3 offline"] = load_and_train(root / "hsdp_to_zero3", ZERO3)
+    out["hsdp->zero3 on load"] = load_and_train(root / "hsdp", ZERO3)
+    out["zero1"] = save_and_continue(root / "zero1", ZERO1)
+    offline("zero1", "zero1_to_hfsdp", HFSDP)
+    out["zero1->hfsdp offline"] = load_and_train(root / "zero1_to_hfsdp", HFSDP)
+    out["zero1->hfsdp on load"] = load_and_train(root / "zero1", HFSDP)
+    out["hfsdp"] = save_and_continue(root / "hfsdp", HFSDP)
+    out["moe_ep2"] = save_and_continue(root / "moe_ep2", MOE_EP2, moe=True)
+    out["moe_ep2->moe_ep2"] = load_and_train(root / "moe_ep2", MOE_EP2, moe=True)
+    offline("moe_ep2", "moe_ep2_to_ep1", MOE_EP1)
+    out["moe_ep2->ep1 offline"] = load_and_train(root / "moe_ep2_to_ep1", MOE_EP1, moe=True)
+    out["moe_ep2->ep1 on load"] = load_and_train(root / "moe_ep2", MOE_EP1, moe=True)
+    out["moe_ep1"] = save_and_continue(root / "moe_ep1", MOE_EP1, moe=True)
+    offline("moe_ep1", "moe_ep1_to_ep2", MOE_EP2)
+    out["moe_ep1->ep2 offline"] = load_and_train(root / "moe_ep1_to_ep2", MOE_EP2, moe=True)
+    out["moe_ep1->ep2 on load"] = load_and_train(root / "moe_ep1", MOE_EP2, moe=True)
+    return out
+
+
+def error_phase(rank: int, world: int, jobs: list[tuple[str, str, dict, bool]]):
+    """Loads that must fail: the CheckpointError message each rank got (every rank must raise, none hang)."""
+    from hfsdp.ckpt import CheckpointError
+
+    out = {}
+    for label, path, layout, moe in jobs:
+        try:
+            load_and_train(path, layout, moe)
+            out[label] = None
+        except CheckpointError as err:
+            out[label] = str(err)
+    return out
+
+
+def load_phase(rank: int, world: int, jobs, error_jobs=()):
+    """`load_and_train` for each (label, path, layout, moe), then the loads that must fail."""
+    out = {label: load_and_train(path, layout, moe) for label, path, layout, moe in jobs}
+    out["errors"] = error_phase(rank, world, list(error_jobs))
+    return out
+
+
+# -- a save that dies half-way (run as a script by test_ckpt_crash.py) -----------------------
+
+
+def crash_main(mode: str, root: str, side: str, init_file: str) -> None:
+    """Save step 1 (its state goes to `side`), train on, then die by SIGKILL inside the save of step 2.
+
+    mode "mid-write": after a few tensors of the rank file are written;
+    mode "before-latest": after step-2 is renamed into place, before `latest` moves.
+    """
+    import os
+    import signal
+
+    import hfsdp.ckpt.save as save_module
+    import hfsdp.ckpt.writer as writer_module
+    from hfsdp.ckpt import save_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    sm, opt = engine(ZERO3)
+    train(sm, opt, 1)
+    save_checkpoint(root, sm, opt, step=1)
+    torch.save(local_state(sm, opt), side)
+    train(sm, opt, 1, start=1)
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if mode == "mid-write":
+        original, calls = writer_module.TensorFileWriter.write, [0]
+
+        def write(self, chunk):
+            original(self, chunk)
+            calls[0] += 1
+            if calls[0] == 3:
+                self._file.flush()
+                die()
+
+        writer_module.TensorFileWriter.write = write
+    else:
+        save_module.atomic_write_text = die
+    save_checkpoint(root, sm, opt, step=2)
+
+
+def crash_load_phase(rank: int, world: int, roots: list[str]):
+    """Load each crashed root into a fresh engine, return its state, then save step 3 into the same root."""
+    from hfsdp.ckpt import load_checkpoint, save_checkpoint
+
+    out = []
+    for root in roots:
+        sm, opt = engine(ZERO3, seed=1)
+        extra = load_checkpoint(root, sm, opt)
+        out.append((extra["step"], local_state(sm, opt)))
+        save_checkpoint(root, sm, opt, step=3)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    crash_main(*sys.argv[1:])

@@ -1,0 +1,68 @@
+"""A save killed at any moment leaves the previous checkpoint loadable and `latest` pointing at it.
+
+Two processes save step 1, then are SIGKILLed inside the save of step 2: one
+while writing its rank file, one after publishing step-2 but before moving
+`latest`. A fresh process group then loads each root and must get step 1's
+state exactly, and a later save into the same root must succeed and clean up.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hfsdp.ckpt import CheckpointError, resolve, verify
+
+import ckpt_models
+from distributed import run_distributed
+
+MODES = ("mid-write", "before-latest")
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    base = tmp_path_factory.mktemp("crash")
+    procs = {}
+    for mode in MODES:
+        args = [str(base / mode), str(base / f"{mode}.pt"), str(base / f"{mode}.init")]
+        procs[mode] = subprocess.Popen([sys.executable, ckpt_models.__file__, mode, *args])
+    for proc in procs.values():
+        proc.wait(timeout=300)
+    return base, {mode: proc.returncode for mode, proc in procs.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_killed_save_leaves_latest_on_the_previous_checkpoint(crashed, mode):
+    """After the kill, `latest` names step-1, which verifies; a half-written step-2 is never a checkpoint."""
+    base, codes = crashed
+    root = base / mode
+    assert codes[mode] == -signal.SIGKILL
+    assert (root / "latest").read_text().strip() == "step-1"
+    assert resolve(root) == root / "step-1"
+    verify(root)
+    if mode == "mid-write":
+        assert not (root / "step-2").exists()
+        (partial,) = root.glob(".tmp-step-2-*")
+        with pytest.raises(CheckpointError, match="not a checkpoint"):
+            verify(partial)
+    else:
+        verify(root / "step-2")  # complete, but not yet `latest`
+
+
+def test_crashed_roots_load_step_one_exactly_and_accept_the_next_save(crashed):
+    """A fresh run loads step 1 bit for bit from each crashed root; the next save cleans up and moves latest."""
+    base, _ = crashed
+    (results,) = run_distributed(ckpt_models.crash_load_phase, 1, [str(base / m) for m in MODES])
+    for mode, (step, state) in zip(MODES, results, strict=True):
+        assert step == 1
+        saved = torch.load(base / f"{mode}.pt")
+        for a, b in zip(saved, state, strict=True):
+            for key in a:
+                assert torch.equal(a[key], b[key]), (mode, key)
+        root = base / mode
+        assert (root / "latest").read_text().strip() == "step-3"
+        assert not list(root.glob(".tmp-*")), "the next save removes what the crash left"
