@@ -8,8 +8,9 @@ A `FlatParamGroup` owns four buffers:
   while the unit runs (`unshard` / `reshard`); elsewhere it *is* `param_shard`;
 - `grad_buffer` (reduce dtype): the gradient piece accumulated between
   microbatches; after the last microbatch its optimizer range holds the reduced
-  gradient;
-- `main` (fp32): the optimizer's piece of the weights.
+  gradient. It exists from a step's first backward until `zero_grad`;
+- `main` (fp32): the optimizer's piece of the weights; with fp32 compute it is a
+  view of `param_shard` rather than a copy.
 
 Padding makes every piece equal on every axis, so collectives never see uneven
 sizes. Padding starts at zero and stays zero: its gradient is zero, so AdamW and
@@ -90,8 +91,13 @@ class FlatParamGroup:
         with torch.no_grad():
             for slot in self.slots:
                 full[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-        self.main = full[slice(*self.optim_range)].clone()
         self.param_shard = full[slice(*self.param_range)].to(self.compute_dtype).clone()
+        if self.compute_dtype == torch.float32:
+            # fp32 compute: the optimizer steps the parameter shard itself (its piece is a sub-range).
+            lo = self.param_range[0]
+            self.main = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
+        else:
+            self.main = full[slice(*self.optim_range)].clone()
         del full
         self.shards_params = bool(self.plan.param_gather)
         if self.shards_params:
@@ -103,7 +109,8 @@ class FlatParamGroup:
         self.is_unsharded = True
         self._gathering, self._gather_event = False, None  # a gather in flight, and its event
         self.reshard()
-        self.grad_buffer = torch.zeros(self.grad_range[1] - self.grad_range[0], dtype=self.reduce_dtype, device=device)
+        self.device = device
+        self._grad_buffer: torch.Tensor | None = None  # allocated by the first backward, freed by zero_grad
         self._reduction_in_flight: tuple = ()  # (event, tensors the reduce stream still reads)
         self.grads_pending = False  # grad_buffer holds grads not yet reduced over the final axes
 
@@ -157,6 +164,18 @@ class FlatParamGroup:
 
     # -- gradients -------------------------------------------------------------------
 
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The gradient piece (reduce dtype); exists from the first backward of a step until `zero_grad`.
+
+        Not holding it between steps keeps it out of the forward's activation peak,
+        as FSDP2 does by setting gradients to None.
+        """
+        if self._grad_buffer is None:
+            length = self.grad_range[1] - self.grad_range[0]
+            self._grad_buffer = torch.zeros(length, dtype=self.reduce_dtype, device=self.device)
+        return self._grad_buffer
+
     def accumulate_grads(self, scale: float) -> None:
         """Move this microbatch's parameter grads into the flat buffers, scaled once, and reduce.
 
@@ -169,16 +188,22 @@ class FlatParamGroup:
             self.grads_pending = True
             return
         self.release_reduction()
-        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.grad_buffer.device)
+        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
         flat[self.numel :].zero_()
         self._fill(flat, scale, accumulate=False)
+        first = self._grad_buffer is None
+        if first:  # the first microbatch reduce-scatters straight into a fresh buffer
+            length = self.grad_range[1] - self.grad_range[0]
+            self._grad_buffer = torch.empty(length, dtype=self.reduce_dtype, device=self.device)
+        buffer = self._grad_buffer  # allocated on the compute stream, before the event below
         filled = self.streams.record("compute")
         (k,) = self.plan.microbatch_reduce
         with self.streams.side("reduce"):
             self.streams.wait("reduce", filled)
-            reduced = torch.empty_like(self.grad_buffer)
+            reduced = buffer if first else torch.empty_like(buffer)
             comm.reduce_scatter(reduced, flat, self._group(k), self._name(k))
-            self.grad_buffer.add_(reduced)
+            if not first:
+                buffer.add_(reduced)
             self._reduction_in_flight = (self.streams.record("reduce"), flat, reduced)
         self.grads_pending = True
 
@@ -231,7 +256,9 @@ class FlatParamGroup:
         return self.grad_buffer[self.optim_range[0] - lo : self.optim_range[1] - lo]
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+        """Free the gradient buffer (after any reduction into it); the next backward starts from zero."""
+        self.release_reduction()
+        self._grad_buffer = None
         self.grads_pending = False
 
     # -- after the optimizer step ----------------------------------------------------
@@ -240,7 +267,8 @@ class FlatParamGroup:
         """Copy the updated fp32 piece into the compute-dtype shard, then gather where it is replicated."""
         lo = self.param_range[0]
         piece = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
-        piece.copy_(self.main)
+        if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
+            piece.copy_(self.main)
         self._gather(piece, self.layout.sharded_axes(State.OPTIM), self.plan.post_step_gather, self.param_shard, lo)
         if self.shards_params and self.is_unsharded:
             self.is_unsharded = False
@@ -255,6 +283,8 @@ class FlatParamGroup:
         return self.layout.names[k]
 
     def state_bytes(self) -> int:
-        """Persistent model-state bytes on this rank: parameter shard, gradient buffer, fp32 main weights."""
-        tensors = [self.param_shard, self.grad_buffer, self.main]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Model-state bytes on this rank as DESIGN §4 counts them: parameter shard, gradient piece, fp32 main
+        weights (none of their own when computing in fp32: then they are the parameter shard)."""
+        grad = (self.grad_range[1] - self.grad_range[0]) * self.reduce_dtype.itemsize
+        main = 0 if self.compute_dtype == torch.float32 else self.main.numel() * self.main.element_size()
+        return self.param_shard.numel() * self.param_shard.element_size() + grad + main
