@@ -1,0 +1,933 @@
+"""One training step of a megatron-core GPT: hfsdp against PyTorch FSDP2 on the same model, data and mesh.
+
+Launch with torchrun, one process per rank:
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 bench/bench_step.py --device cpu \\
+        --layers 4 --hidden 256 --heads 8 --vocab 1024 --seq-len 128 --micro-batch-size 2 \\
+        --steps 10 --warmup 3 --layouts zero3:1x4,hsdp:2x2,hfsdp:2x2 --engines hfsdp,fsdp2
+    torchrun --nproc-per-node 2 bench/bench_step.py --device cuda --dtype bf16 ...
+
+Engines (each layout runs them one after the other in the same process group; the
+previous model is freed before the next is built):
+
+- `hfsdp`: `shard_megatron_model` + `ShardedAdamW` + `clip_grad_norm_`, the mesh built
+  through the megatron-core adapter. bf16: bf16 parameter shards, fp32 main weights,
+  fp32 gradient reduction.
+- `fsdp2`: `fully_shard` on every `model.decoder.layers[i]`, then on the root, with
+  `MixedPrecisionPolicy(param_dtype=bf16 or None, reduce_dtype=fp32)`, on a DeviceMesh of
+  the same shape from `init_device_mesh`; `torch.optim.AdamW(foreach=True)` on its
+  DTensors, `torch.nn.utils.clip_grad_norm_`. 1-D mesh ("dp_shard",) for R = 1 (FSDP);
+  2-D ("dp_outer", "dp_shard") for R > 1, where FSDP2 does HSDP (replicate over
+  dp_outer, shard over dp_shard). FSDP2 has no HFSDP: an `hfsdp:RxN` layout is compared
+  with FSDP2 HSDP on the same mesh and labelled so. `zero2` maps to FSDP2 with
+  reshard_after_forward=False (SHARD_GRAD_OP: parameters stay gathered from forward
+  to backward but are sharded between steps, unlike ZeRO-2). FSDP2 has no
+  ZeRO-1/DDP; those layouts run hfsdp only.
+- `plain`: the unsharded model on rank 0 alone (other ranks wait), fp32 parameters,
+  torch.optim.AdamW(foreach=True), rank 0's share of the work (M microbatches of
+  micro-batch-size). With --dtype bf16 it runs under torch.autocast(bf16) on CUDA; on
+  CPU it runs plain fp32 (no autocast). It is the reference for the overhead of
+  sharding on one device: compare it with hfsdp/fsdp2 at world size 1.
+
+Gradient accumulation (M = global batch / (micro batch x dp) microbatches, 1 by
+default): hfsdp averages over microbatches x dp internally; FSDP2 averages over dp
+itself, so each FSDP2/plain microbatch loss is divided by M. FSDP2 reduce-scatters
+every microbatch (as hfsdp does); with R > 1 its outer all-reduce runs on the last
+microbatch only (`set_requires_all_reduce`), as hfsdp's does.
+
+What is measured, per engine and layout (every rank measures; the table shows the
+slowest rank's median and the largest memory):
+- step time: wall time of one optimizer step (all microbatches, clipping, optimizer,
+  zero_grad), synchronized at both ends on CUDA; median (and minimum, the estimate
+  least disturbed by other load on a shared machine) over --steps after --warmup,
+  pooled over --rounds;
+- tokens/s per rank = micro-batch x M x seq-len / median step time;
+- memory: CUDA `max_memory_allocated` over the timed steps; CPU max RSS (monotonic over
+  the process, so it says little about engines after the first) and, on both, the
+  bytes of persistent model state on the rank: hfsdp `state_bytes()` of model and
+  optimizer; FSDP2 local shards of parameters + gradients + optimizer state;
+- MFU (CUDA): model FLOPs (6 x matmul parameters + 12 x layers x hidden x seq, per token)
+  over the measured dense matmul rate of this GPU in the run's dtype (printed);
+- comm blocked: host time inside collective calls (hfsdp.core.collectives, the
+  torch.distributed functions, Work.wait). On gloo calls are synchronous, so this is
+  the exposed communication plus waiting for slower ranks; on NCCL it is launch time
+  only, and the exposed communication comes from --profile (collective kernels with no
+  compute/copy kernel on any stream);
+- CPU s/step/rank: process CPU time (user + system, all threads) of one step up to the
+  final synchronize, median per rank, mean over ranks. On CPU it is the work a rank
+  does, which time-slicing on a shared or oversubscribed CPU does not inflate the way
+  it inflates wall time (gloo waits sleep). On CUDA it is the host time to issue the
+  step (plus any synchronizing call inside it, which spins): close to the step time
+  means the step is host-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import STEP_LABEL, CallTimers, install_comm_timers, markdown_table, summarize_profile, top_ops
+
+#: Layout names -> (outer strategy, inner strategy).
+LAYOUTS = {
+    "zero3": ("no_shard", "optim_grads_params"),
+    "fsdp": ("no_shard", "optim_grads_params"),
+    "zero2": ("no_shard", "optim_grads"),
+    "zero1": ("no_shard", "optim"),
+    "ddp": ("no_shard", "no_shard"),
+    "hsdp": ("no_shard", "optim_grads_params"),
+    "hfsdp": ("optim", "optim_grads_params"),
+}
+SEED = 1234
+ENGINES = ("hfsdp", "fsdp2", "plain")
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    instances: int
+    inner_size: int
+    outer: str
+    inner: str
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}:{self.instances}x{self.inner_size}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size x dp (M = 1)")
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps before the timed ones")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--engines", default="hfsdp,fsdp2", help=f"comma-separated, from {', '.join(ENGINES)}")
+    p.add_argument("--layouts", default=None, help="comma-separated name:RxN (default zero3:1xWORLD)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every (layout, engine) run, alternating the order")
+    p.add_argument("--loss-steps", type=int, default=3, help="first steps whose losses must agree between engines")
+    p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
+    p.add_argument("--profile", action="store_true", help="profile --profile-steps extra steps per engine")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--trace-dir", default=None, help="with --profile: write a chrome trace per engine and rank")
+    p.add_argument(
+        "--timers",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="host timers around collectives and engine phases (auto: on for cpu, off for cuda, where they "
+        "only see launch time; with --profile they are installed to annotate the trace either way)",
+    )
+    args = p.parse_args(argv)
+    args.timing = args.timers == "on" or (args.timers == "auto" and args.device == "cpu")
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        p.error(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    return args
+
+
+def parse_layouts(text: str | None, world: int) -> list[Layout]:
+    text = text or f"zero3:1x{world}"
+    layouts = []
+    for item in text.split(","):
+        name, _, shape = item.strip().partition(":")
+        if name not in LAYOUTS:
+            raise SystemExit(f"--layouts: '{name}' is not a layout name; use one of {', '.join(LAYOUTS)}")
+        try:
+            r, n = (int(x) for x in shape.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--layouts: '{item}' must look like name:RxN, e.g. hfsdp:2x2") from None
+        if r * n != world:
+            raise SystemExit(f"--layouts: '{item}' has {r}x{n} = {r * n} ranks but the world size is {world}")
+        if name in ("zero3", "fsdp") and r != 1:
+            raise SystemExit(f"--layouts: '{item}': {name} shards over every rank, so R must be 1 (use hsdp:RxN)")
+        if name in ("hsdp", "hfsdp") and r == 1:
+            raise SystemExit(f"--layouts: '{item}': {name} needs R > 1 instances (use zero3:1x{n})")
+        layouts.append(Layout(name, r, n, *LAYOUTS[name]))
+    return layouts
+
+
+# -- device --------------------------------------------------------------------------------
+
+
+def init_distributed(kind: str) -> torch.device:
+    if kind == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 50) -> float:
+    """Dense matmul rate of this GPU in `dtype` (TFLOP/s): the denominator of MFU."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    for _ in range(5):
+        torch.mm(a, b, out=c)
+    torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    for _ in range(iters):
+        torch.mm(a, b, out=c)
+    torch.cuda.synchronize(device)
+    rate = 2 * n**3 * iters / (time.perf_counter() - began) / 1e12
+    del a, b, c
+    torch.cuda.empty_cache()
+    return rate
+
+
+def max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def tensor_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        total += t.numel() * t.element_size()
+    return total
+
+
+# -- the model -----------------------------------------------------------------------------
+
+
+def gpt_shape(args):
+    from hfsdp.core.megatron.gpt import GPTShape
+
+    return GPTShape(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        vocab_size=args.vocab,
+        seq_length=args.seq_len,
+    )
+
+
+def build_model(cfg, shape, device: torch.device, init_groups: bool = True):
+    """The same GPT for every engine: megatron-core groups for `cfg`, seeded, re-initialised by name.
+
+    Building the groups is collective; the plain engine (rank 0 alone) reuses the ones already built.
+    """
+    from hfsdp.core.megatron.adapter import expert_naming_for, initialize_parallel
+    from hfsdp.core.megatron.cpu_shim import seed_megatron
+    from hfsdp.core.megatron.gpt import build_gpt, reinit_by_global_name
+
+    if init_groups:
+        initialize_parallel(cfg)
+    seed_megatron(SEED)
+    model = build_gpt(shape)
+    reinit_by_global_name(model, expert_naming_for(cfg), SEED)
+    return model.to(device)
+
+
+def flops_per_token(model, shape) -> tuple[int, float]:
+    """(parameter count, training FLOPs per token): 6 x matmul weights + 12 x layers x hidden x seq (attention)."""
+    total = sum(p.numel() for p in model.parameters())
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "word_embeddings" not in n)
+    return total, 6.0 * matmul + 12.0 * shape.num_layers * shape.hidden_size * shape.seq_length
+
+
+# -- engines -------------------------------------------------------------------------------
+
+
+class Engine:
+    """One engine's model and optimizer; `train_step` runs one optimizer step."""
+
+    kind = ""
+
+    def __init__(self, args, timers: CallTimers, compute_dtype: torch.dtype | None):
+        self.args, self.timers, self.compute_dtype = args, timers, compute_dtype
+        self.state_bytes_measured: int | None = None
+
+    def microbatch(self, index: int, count: int, tokens, labels) -> torch.Tensor:
+        raise NotImplementedError
+
+    def clip(self) -> None:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        raise NotImplementedError
+
+    def train_step(self, microbatches, measure_state: bool = False) -> torch.Tensor:
+        count = len(microbatches)
+        total = None
+        with self.timers.section("phase:forward+backward", family="step"):
+            for index, (tokens, labels) in enumerate(microbatches):
+                loss = self.microbatch(index, count, tokens, labels)
+                total = loss if total is None else total + loss
+        if self.args.clip_grad:
+            with self.timers.section("phase:clip", family="step"):
+                self.clip()
+        with self.timers.section("phase:optimizer", family="step"):
+            self.optimizer_step()
+        if measure_state:
+            self.state_bytes_measured = self.state_bytes()
+        with self.timers.section("phase:zero_grad", family="step"):
+            self.zero_grad()
+        return total / count
+
+
+class HfsdpEngine(Engine):
+    kind = "hfsdp"
+
+    def __init__(self, args, timers, compute_dtype, cfg, shape, device):
+        super().__init__(args, timers, compute_dtype)
+        from hfsdp.core.flat_group import MixedPrecision
+        from hfsdp.core.megatron.adapter import shard_megatron_model
+        from hfsdp.core.optimizer import ShardedAdamW
+
+        model = build_model(cfg, shape, device)
+        self.params, self.flops_per_token = flops_per_token(model, shape)
+        mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        self.model = shard_megatron_model(model, cfg, device.type, mp)
+        self.opt = ShardedAdamW(self.model.groups, lr=args.lr, weight_decay=args.weight_decay)
+        self.label = cfg.layout_name
+        self.mesh = tuple(self.model.meshes.dense.mesh_dim_names)
+
+    def microbatch(self, index, count, tokens, labels):
+        from hfsdp.core.megatron.gpt import lm_loss
+
+        self.model.set_microbatch(index, count)
+        loss = lm_loss(self.model, tokens, labels)
+        loss.backward()
+        return loss.detach()
+
+    def clip(self):
+        from hfsdp.core.clip import clip_grad_norm_
+
+        clip_grad_norm_(self.model.groups, self.args.clip_grad)
+
+    def optimizer_step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def state_bytes(self):
+        return self.model.state_bytes() + self.opt.state_bytes()
+
+
+class Fsdp2Engine(Engine):
+    kind = "fsdp2"
+
+    def __init__(self, args, timers, compute_dtype, cfg, shape, device, layout: Layout):
+        super().__init__(args, timers, compute_dtype)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = build_model(cfg, shape, device)
+        self.params, self.flops_per_token = flops_per_token(model, shape)
+        if layout.instances > 1:
+            mesh = init_device_mesh(
+                device.type, (layout.instances, layout.inner_size), mesh_dim_names=("dp_outer", "dp_shard")
+            )
+        else:
+            mesh = init_device_mesh(device.type, (layout.inner_size,), mesh_dim_names=("dp_shard",))
+        self.hybrid = layout.instances > 1
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        reshard = layout.inner == "optim_grads_params"
+        for block in model.decoder.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+        kind = "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
+        size = f"{layout.instances}x{layout.inner_size}"
+        self.label = f"FSDP2 HSDP {size} ({kind} in rows)" if self.hybrid else f"FSDP2 {kind} {size}"
+        if layout.outer == "optim":
+            self.label += "; FSDP2 has no HFSDP"
+        self.mesh = tuple(mesh.mesh_dim_names)
+
+    def microbatch(self, index, count, tokens, labels):
+        from hfsdp.core.megatron.gpt import lm_loss
+
+        if self.hybrid and count > 1:
+            self.model.set_requires_all_reduce(index == count - 1)
+        loss = lm_loss(self.model, tokens, labels)
+        (loss / count).backward()
+        return loss.detach()
+
+    def clip(self):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=True)
+
+    def optimizer_step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_bytes(self):
+        params = list(self.model.parameters())
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
+
+
+class PlainEngine(Engine):
+    kind = "plain"
+
+    def __init__(self, args, timers, compute_dtype, cfg, shape, device):
+        super().__init__(args, timers, compute_dtype)
+        self.model = build_model(cfg, shape, device, init_groups=False)
+        self.params, self.flops_per_token = flops_per_token(self.model, shape)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+        self.autocast = device.type == "cuda" and compute_dtype == torch.bfloat16
+        self.device_type = device.type
+        what = "fp32 params, autocast bf16" if self.autocast else "fp32"
+        self.label = f"plain 1 rank, unsharded ({what})"
+        self.mesh = ()
+
+    def microbatch(self, index, count, tokens, labels):
+        from hfsdp.core.megatron.gpt import lm_loss
+
+        ctx = torch.autocast(self.device_type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with ctx:
+            loss = lm_loss(self.model, tokens, labels)
+        (loss / count).backward()
+        return loss.detach()
+
+    def clip(self):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=True)
+
+    def optimizer_step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_bytes(self):
+        params = list(self.model.parameters())
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
+
+
+def install_phase_timers(timers: CallTimers) -> None:
+    """Inclusive host time of each engine's phases (labels 'hfsdp:...' and 'fsdp2:...')."""
+    from hfsdp.core.flat_group import FlatParamGroup
+    from hfsdp.core.unit import ShardedUnit
+
+    try:  # FSDP2's private module; its path and method names may move between torch versions
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        FSDPParamGroup = None
+
+    timers.wrap(FlatParamGroup, "start_unshard", "hfsdp::start_unshard (all-gather)")
+    timers.wrap(FlatParamGroup, "unshard", "hfsdp::unshard (all-gather)")
+    timers.wrap(FlatParamGroup, "accumulate_grads", "hfsdp::accumulate_grads (copy-in, reduce-scatter)")
+    timers.wrap(FlatParamGroup, "finish_reduction", "hfsdp::finish_reduction (outer)")
+    timers.wrap(FlatParamGroup, "publish_main_weights", "hfsdp::publish_main_weights (cast, gather)")
+    timers.wrap(ShardedUnit, "_pre_forward", "hfsdp::pre_forward hook", family="hfsdp-hook")
+    timers.wrap(ShardedUnit, "_post_forward", "hfsdp::post_forward hook", family="hfsdp-hook")
+    if FSDPParamGroup is None:
+        return
+    timers.wrap(FSDPParamGroup, "unshard", "FSDP::unshard (copy-in, all-gather)")
+    timers.wrap(FSDPParamGroup, "wait_for_unshard", "FSDP::wait_for_unshard (copy-out)")
+    timers.wrap(FSDPParamGroup, "post_backward", "FSDP::post_backward (copy-in, reduce-scatter)")
+    timers.wrap(FSDPParamGroup, "finalize_backward", "FSDP::finalize_backward")
+    timers.wrap(FSDPParamGroup, "pre_forward", "FSDP::pre_forward hook", family="fsdp-hook")
+    timers.wrap(FSDPParamGroup, "post_forward", "FSDP::post_forward hook", family="fsdp-hook")
+
+
+# -- running one engine --------------------------------------------------------------------
+
+
+def make_batches(shape, count_steps, gbs, microbatches, rank, dp, device):
+    """Every step's microbatches for this rank, on the device (built before timing)."""
+    from hfsdp.core.data import SyntheticTokens, microbatch
+
+    data = SyntheticTokens(shape.vocab_size, shape.seq_length, seed=SEED)
+    out = []
+    for step in range(count_steps):
+        batch = data.global_batch(step, gbs)
+        out.append(
+            [tuple(t.to(device) for t in microbatch(batch, i, microbatches, rank, dp)) for i in range(microbatches)]
+        )
+    return out
+
+
+def run_engine(
+    engine_factory, batches, args, device, timers: CallTimers, dp: int, group_size: int, profile: bool
+) -> dict:
+    """Build, warm up, time, optionally profile one engine; return this rank's measurements."""
+    free_memory(device)
+    rss_before = max_rss_mib()
+    began_setup = time.perf_counter()
+    engine = engine_factory()
+    sync(device)
+    setup_s = time.perf_counter() - began_setup
+    allocated_after_setup = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, times, comm_times, cpu_times = [], [], [], []
+    timers.reset()
+    total_steps = args.warmup + args.steps
+    for step in range(total_steps):
+        timers.enabled = step >= args.warmup and args.timing
+        sync(device)
+        comm_before = timers.total("comm::")
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        loss = engine.train_step(batches[step], measure_state=(step == 0))
+        cpu = time.process_time() - cpu0  # before the sync: CUDA's synchronize spins, which is no work
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        losses.append(loss)
+        if step >= args.warmup:
+            times.append(elapsed)
+            comm_times.append(timers.total("comm::") - comm_before)
+            cpu_times.append(cpu)
+    timers.enabled = False
+    timer_totals = timers.snapshot()
+    peak_allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+    summary = profile_engine(engine, batches[total_steps:], args, device) if profile else None
+
+    stacked = torch.stack(losses).float()
+    if group_size > 1:
+        dist.all_reduce(stacked, group=None)
+    stacked = (stacked / dp).tolist()
+    microbatch_tokens = sum(t.numel() for t, _ in batches[0])
+    median = statistics.median(times)
+    steps = max(len(times), 1)
+    result = {
+        "engine": engine.kind,
+        "label": engine.label,
+        "mesh": list(engine.mesh),
+        "setup_s": setup_s,
+        "step_times_s": times,
+        "median_step_s": median,
+        "tokens_per_step_per_rank": microbatch_tokens,
+        "tokens_per_s_per_rank": microbatch_tokens / median,
+        "losses": stacked,
+        "params": engine.params,
+        "flops_per_token": engine.flops_per_token,
+        "model_state_bytes": engine.state_bytes_measured,
+        "max_rss_mib": max_rss_mib(),
+        "max_rss_mib_before": rss_before,
+        "cuda_allocated_after_setup_bytes": allocated_after_setup,
+        "cuda_peak_allocated_bytes": peak_allocated,
+        "comm_blocked_s_per_step": statistics.median(comm_times),
+        "comm_blocked_s": comm_times,
+        "cpu_s_per_step": statistics.median(cpu_times),
+        "cpu_s": cpu_times,
+        "timers_s_per_step": {k: v["seconds"] / steps for k, v in timer_totals.items()},
+        "timers_cpu_s_per_step": {k: v["cpu_seconds"] / steps for k, v in timer_totals.items()},
+        "timer_calls_per_step": {k: v["calls"] / steps for k, v in timer_totals.items()},
+        "profile": summary,
+    }
+    del engine
+    free_memory(device)
+    return result
+
+
+def profile_engine(engine, batches, args, device) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    engine.timers.annotating = True
+    try:
+        with profile(activities=activities, profile_memory=True) as prof:
+            for microbatches in batches:
+                sync(device)
+                with record_function(STEP_LABEL):
+                    engine.train_step(microbatches)
+                    sync(device)
+    finally:
+        engine.timers.annotating = False
+    try:
+        summary = summarize_profile(prof, device.type)
+        summary["top_self_cpu_ops_s"] = top_ops(prof)
+    except Exception as err:  # a profiler API that differs between torch versions must not lose the timings
+        summary = {"error": f"{type(err).__name__}: {err}"}
+        print(f"rank {dist.get_rank()}: could not summarize the profile of {engine.kind}: {summary['error']}")
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        tag = "".join(c if c.isalnum() else "_" for c in engine.label)[:48]
+        prof.export_chrome_trace(os.path.join(args.trace_dir, f"{engine.kind}-{tag}-rank{dist.get_rank()}.json"))
+    return summary
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+def merge_ranks(per_rank: list[dict]) -> dict:
+    """One row from every rank's result: slowest median step, largest memory, rank 0's losses."""
+    first = dict(per_rank[0])
+
+    def biggest(key):
+        values = [r[key] for r in per_rank if r.get(key) is not None]
+        return max(values) if values else None
+
+    first["median_step_s"] = biggest("median_step_s")
+    first["min_step_s"] = max(min(r["step_times_s"]) for r in per_rank)
+    first["tokens_per_s_per_rank"] = first["tokens_per_step_per_rank"] / first["median_step_s"]
+    for key in ("model_state_bytes", "max_rss_mib", "cuda_peak_allocated_bytes", "comm_blocked_s_per_step"):
+        first[key] = biggest(key)
+    first["cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in per_rank)
+    first["per_rank"] = [
+        {k: r[k] for k in ("median_step_s", "step_times_s", "model_state_bytes", "max_rss_mib")}
+        | {"cuda_peak_allocated_bytes": r["cuda_peak_allocated_bytes"]}
+        | {k: r[k] for k in ("comm_blocked_s_per_step", "comm_blocked_s", "cpu_s_per_step", "cpu_s")}
+        | {k: r[k] for k in ("timers_s_per_step", "timers_cpu_s_per_step")}
+        for r in per_rank
+    ]
+    return first
+
+
+def combine_rounds(rows: list[dict]) -> dict:
+    """One row from the rounds of one (layout, engine): every rank's step times pooled, its median, the
+    slowest rank's median; the largest memory; host timers averaged; losses and profile of round 0."""
+    first = dict(rows[0])
+    ranks = len(first["per_rank"])
+    pooled = [[t for row in rows for t in row["per_rank"][r]["step_times_s"]] for r in range(ranks)]
+    first["median_step_s"] = max(statistics.median(times) for times in pooled)
+    first["min_step_s"] = max(min(times) for times in pooled)
+    first["round_median_step_s"] = [row["median_step_s"] for row in rows]
+    first["tokens_per_s_per_rank"] = first["tokens_per_step_per_rank"] / first["median_step_s"]
+    for key in ("model_state_bytes", "max_rss_mib", "cuda_peak_allocated_bytes"):
+        values = [row[key] for row in rows if row.get(key) is not None]
+        first[key] = max(values) if values else None
+    comm = [[t for row in rows for t in row["per_rank"][r]["comm_blocked_s"]] for r in range(ranks)]
+    first["comm_blocked_s_per_step"] = max(statistics.median(times) for times in comm)
+    cpu = [[t for row in rows for t in row["per_rank"][r]["cpu_s"]] for r in range(ranks)]
+    first["cpu_s_per_step"] = statistics.mean(statistics.median(times) for times in cpu)
+    for r in range(ranks):
+        keys = {k for row in rows for k in row["per_rank"][r]["timers_s_per_step"]}
+        first["per_rank"][r] = dict(first["per_rank"][r]) | {
+            "step_times_s": pooled[r],
+            "comm_blocked_s": comm[r],
+            "cpu_s": cpu[r],
+            "timers_s_per_step": {
+                k: statistics.mean(row["per_rank"][r]["timers_s_per_step"].get(k, 0.0) for row in rows) for k in keys
+            },
+            "timers_cpu_s_per_step": {
+                k: statistics.mean(row["per_rank"][r]["timers_cpu_s_per_step"].get(k, 0.0) for row in rows)
+                for k in keys
+            },
+        }
+    first["rounds"] = len(rows)
+    first["loss_drift_between_rounds"] = max(
+        (abs(a - b) for row in rows[1:] for a, b in zip(row["losses"], first["losses"], strict=True)), default=0.0
+    )
+    return first
+
+
+def loss_checks(results: list[dict], args, world: int) -> list[dict]:
+    """hfsdp against fsdp2 (and plain at world size 1) on the first --loss-steps losses."""
+    rtol = 1e-4 if args.dtype == "fp32" else 2e-2
+    checks = []
+    by_layout: dict[str, dict[str, dict]] = {}
+    for r in results:
+        by_layout.setdefault(r["layout"], {})[r["engine"]] = r
+    plain = next((r for r in results if r["engine"] == "plain"), None)
+    for layout, engines in by_layout.items():
+        ref = engines.get("hfsdp")
+        others = [engines[k] for k in ("fsdp2",) if k in engines]
+        if plain is not None and world == 1:
+            others.append(plain)
+        if ref is None:
+            continue
+        for other in others:
+            a, b = ref["losses"][: args.loss_steps], other["losses"][: args.loss_steps]
+            rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+            rel_all = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(ref["losses"], other["losses"], strict=True))
+            checks.append(
+                {
+                    "layout": layout,
+                    "pair": f"hfsdp vs {other['engine']}",
+                    "hfsdp": a,
+                    other["engine"]: b,
+                    "max_rel_diff_first_steps": rel,
+                    "max_rel_diff_all_steps": rel_all,
+                    "rtol": rtol,
+                    "ok": rel <= rtol and math.isfinite(rel),
+                }
+            )
+    return checks
+
+
+def report(results: list[dict], checks: list[dict], args, meta: dict) -> str:
+    cuda = args.device == "cuda"
+    header = ["engine", "layout", "median step (s)", "min step (s)", "tokens/s/rank", "model state MiB/rank"]
+    header += ["peak alloc MiB/rank"] if cuda else ["max RSS MiB/rank"]
+    header += ["comm blocked s/step (host, median)", "comm blocked % of step", "CPU s/step/rank"]
+    if cuda:
+        header += ["MFU"]
+    rows = []
+    for r in results:
+        state = r["model_state_bytes"] / 2**20 if r["model_state_bytes"] is not None else "n/a"
+        mem = r["cuda_peak_allocated_bytes"] / 2**20 if cuda else r["max_rss_mib"]
+        comm = r["comm_blocked_s_per_step"]
+        row = [r["engine"], f"{r['layout']} — {r['label']}", r["median_step_s"], r["min_step_s"]]
+        row += [r["tokens_per_s_per_rank"], state]
+        row += [mem, comm, f"{100 * comm / r['median_step_s']:.1f}%"] if args.timing else [mem, "n/a", "n/a"]
+        row += [r["cpu_s_per_step"]]
+        if cuda:
+            rate = meta.get("matmul_tflops_per_rank", [None])[0]
+            mfu = r["flops_per_token"] * r["tokens_per_s_per_rank"] / (rate * 1e12) if rate else float("nan")
+            r["mfu"] = mfu
+            row += [f"{100 * mfu:.1f}%"]
+        rows.append(row)
+    lines = ["", "## Step time", "", markdown_table(header, rows), ""]
+
+    phase_keys = sorted({k for r in results for k in r["timers_s_per_step"]})
+    if phase_keys:
+        lines += ["## Host time per step by phase, wall / CPU (ms, inclusive, mean over ranks and steps)", ""]
+        cols = [f"{r['engine']} {r['layout']}" for r in results]
+
+        def cell(r, k):
+            ranks = r["per_rank"]
+            if all(k not in p["timers_s_per_step"] for p in ranks):
+                return ""
+            wall = statistics.mean(p["timers_s_per_step"].get(k, 0.0) for p in ranks)
+            cpu = statistics.mean(p["timers_cpu_s_per_step"].get(k, 0.0) for p in ranks)
+            return f"{1e3 * wall:.1f} / {1e3 * cpu:.1f}"
+
+        prow = [[k] + [cell(r, k) for r in results] for k in phase_keys]
+        lines += [markdown_table(["phase", *cols], prow), ""]
+
+    profiled = [r for r in results if r.get("profile") and "error" not in r["profile"]]
+    if profiled:
+        keys = ["step_s", "compute_s", "copy_s", "comm_s", "comm_exposed_s"]
+        keys += ["idle_s"] if cuda else ["python_and_hooks_s"]
+        keys += ["peak_step_alloc_mib"]
+        lines += [f"## Profile, s per step (rank 0; {profiled[0]['profile']['source']})", ""]
+        prow = [[r["engine"], r["layout"]] + [r["profile"][k] for k in keys] for r in profiled]
+        lines += [markdown_table(["engine", "layout", *keys], prow), ""]
+        for r in profiled:
+            ranges = ", ".join(f"{k} {v:.4f}" for k, v in list(r["profile"]["annotated_ranges_s"].items())[:8])
+            ops = ", ".join(f"{k} {v:.3f}" for k, v in r["profile"]["top_self_cpu_ops_s"][:8])
+            lines += [
+                f"- {r['engine']} {r['layout']}: annotated ranges s/step: {ranges}",
+                f"  top self-CPU ops (s total): {ops}",
+            ]
+        lines += [""]
+
+    if checks:
+        lines += ["## Loss agreement (same init, same data)", ""]
+        crow = []
+        for c in checks:
+            other = c["pair"].split(" vs ")[1]
+            flag = "ok" if c["ok"] else "**MISMATCH**"
+            crow.append(
+                [
+                    c["layout"],
+                    c["pair"],
+                    " ".join(f"{x:.6f}" for x in c["hfsdp"]),
+                    " ".join(f"{x:.6f}" for x in c[other]),
+                    f"{c['max_rel_diff_first_steps']:.2e}",
+                    f"{c['max_rel_diff_all_steps']:.2e}",
+                    c["rtol"],
+                    flag,
+                ]
+            )
+        header = ["layout", "pair", "hfsdp losses", "other losses", "max rel diff (first)", "(all steps)", "rtol", ""]
+        lines += [markdown_table(header, crow), ""]
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    args = parse_args(argv)
+    device = init_distributed(args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        return _main(args, device, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _main(args, device, rank, world) -> int:
+    from hfsdp.core.config import LayoutConfig
+
+    layouts = parse_layouts(args.layouts, world)
+    compute_dtype = torch.bfloat16 if args.dtype == "bf16" else None
+    shape = gpt_shape(args)
+    timers = CallTimers()
+    if args.timing or args.profile:
+        install_comm_timers(timers)
+        install_phase_timers(timers)
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "args": {k: v for k, v in vars(args).items()},
+        "world_size": world,
+        "device": args.device,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpu_threads_per_rank": torch.get_num_threads(),
+        "shape": asdict(shape),
+    }
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+        rate = matmul_tflops(device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        rates = [None] * world
+        dist.all_gather_object(rates, rate)
+        meta["matmul_tflops_per_rank"] = rates
+        meta["matmul_dtype"] = args.dtype
+        if rank == 0:
+            print(f"measured dense {args.dtype} matmul rate (8192^3) per rank, TFLOP/s: {[f'{r:.0f}' for r in rates]}")
+
+    runs: dict[tuple[str, str], list[dict]] = {}
+    extra = args.profile_steps if args.profile else 0
+    gbs = args.global_batch_size or args.micro_batch_size * world
+    batches_by_layout = {}
+    for round_index in range(args.rounds):
+        for layout in layouts:
+            cfg = LayoutConfig(
+                world_size=world,
+                inner=layout.inner,
+                outer=layout.outer,
+                instances=layout.instances,
+                global_batch_size=gbs,
+                micro_batch_size=args.micro_batch_size,
+            )
+            count = cfg.num_microbatches
+            if layout.tag not in batches_by_layout:
+                steps = args.warmup + args.steps + extra
+                batches_by_layout[layout.tag] = make_batches(shape, steps, gbs, count, rank, cfg.dp, device)
+            batches = batches_by_layout[layout.tag]
+            kinds = [k for k in args.engines if k != "plain"]
+            if round_index % 2:
+                kinds.reverse()  # alternate the order, so drift in the machine's load favours no engine
+            for kind in kinds:
+                if kind == "fsdp2" and layout.inner not in ("optim_grads_params", "optim_grads"):
+                    if rank == 0 and round_index == 0:
+                        print(f"[{layout.tag}] fsdp2: skipped, FSDP2 has no {layout.inner} (ZeRO-1/DDP) equivalent")
+                    continue
+                if kind == "hfsdp":
+
+                    def factory(cfg=cfg):
+                        return HfsdpEngine(args, timers, compute_dtype, cfg, shape, device)
+                else:
+
+                    def factory(cfg=cfg, layout=layout):
+                        return Fsdp2Engine(args, timers, compute_dtype, cfg, shape, device, layout)
+
+                if rank == 0:
+                    print(
+                        f"[round {round_index}] [{layout.tag}] {kind}: {count} microbatch(es) of "
+                        f"{args.micro_batch_size} per step",
+                        flush=True,
+                    )
+                profile = args.profile and round_index == 0
+                mine = run_engine(factory, batches, args, device, timers, cfg.dp, world, profile)
+                mine["layout"] = layout.tag
+                gathered = [None] * world
+                dist.all_gather_object(gathered, mine)
+                row = merge_ranks(gathered)
+                runs.setdefault((layout.tag, kind), []).append(row)
+                if rank == 0:
+                    print(
+                        f"[round {round_index}] [{layout.tag}] {kind}: median step {row['median_step_s']:.4f} s, "
+                        f"losses {[round(x, 5) for x in row['losses'][: args.loss_steps]]}",
+                        flush=True,
+                    )
+    results = [combine_rounds(rows) for rows in runs.values()]
+
+    if "plain" in args.engines:
+        results.extend(run_plain(args, device, rank, world, shape, compute_dtype, timers, extra))
+
+    checks = loss_checks(results, args, world)
+    if rank == 0:
+        text = report(results, checks, args, meta)
+        print(text, flush=True)
+        bad = [c for c in checks if not c["ok"]]
+        for c in bad:
+            print(
+                f"!!! LOSS MISMATCH [{c['layout']}] {c['pair']}: max relative difference "
+                f"{c['max_rel_diff_first_steps']:.3e} over the first {args.loss_steps} steps > rtol {c['rtol']}",
+                flush=True,
+            )
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "results": results, "loss_checks": checks, "table": text}, f, indent=1)
+            print(f"wrote {args.out}")
+    dist.barrier()
+    return 0
+
+
+def run_plain(args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:
+    """The unsharded model on rank 0 alone; every other rank waits at a barrier."""
+    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.megatron.adapter import initialize_parallel
+
+    initialize_parallel(LayoutConfig(world_size=world))  # collective: every rank builds megatron-core's groups
+    out = []
+    if rank == 0:
+        per_rank = (args.global_batch_size or args.micro_batch_size * world) // world  # samples per rank and step
+        count = per_rank // args.micro_batch_size
+        cfg = LayoutConfig(world_size=1, global_batch_size=per_rank, micro_batch_size=args.micro_batch_size)
+        batches = make_batches(shape, args.warmup + args.steps + extra, per_rank, count, 0, 1, device)
+        if world > 1:
+            print("plain: runs on rank 0 while the other ranks wait; on a shared CPU it gets more cores than they did")
+        print(f"[plain] {count} microbatch(es) of {args.micro_batch_size} per step", flush=True)
+
+        def factory():
+            return PlainEngine(args, timers, compute_dtype, cfg, shape, device)
+
+        mine = run_engine(factory, batches, args, device, timers, 1, 1, args.profile)
+        mine["layout"] = "1x1"
+        out.append(merge_ranks([mine]))
+    dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
