@@ -80,3 +80,30 @@ def test_a_failing_rank_stops_every_rank_with_its_error():
     assert "rank 2 failed" in result.stderr and "injected failure on rank 2" in result.stderr
     time.sleep(1)
     assert not _children_of_launcher()
+
+
+def test_save_reshard_and_resume_through_the_cli(tmp_path):
+    """Train 2 steps of HFSDP on 2 ranks with --save, `hfsdp ckpt reshard` to 1 rank, --load and train to step 4:
+    steps 3-4 give the losses of an uninterrupted 4-step run."""
+    model = ["--global-batch-size", "8", "--micro-batch-size", "2", *SMALL]
+    hfsdp = ["--nproc", "2", "--instances", "2", "--outer", "optim", *model]
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    assert _run(*hfsdp, "--steps", "4", "--metrics", str(whole)).returncode == 0
+    first = _run(*hfsdp, "--steps", "2", "--save", str(tmp_path / "ck"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    target = ["--world-size", "1", "--instances", "1", "--outer", "no_shard"]
+    reshard = subprocess.run(
+        [HFSDP, "ckpt", "reshard", str(tmp_path / "ck"), str(tmp_path / "ck1"), *target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reshard.returncode == 0, reshard.stderr
+    args = ["--nproc", "1", "--instances", "1", "--outer", "no_shard", *model, "--steps", "4"]
+    second = _run(*args, "--load", str(tmp_path / "ck1"), "--metrics", str(resumed))
+    assert second.returncode == 0, second.stderr[-2000:]
+    expected = [json.loads(line) for line in whole.read_text().splitlines()][2:]
+    got = [json.loads(line) for line in resumed.read_text().splitlines()]
+    assert [r["step"] for r in got] == [3, 4]
+    for a, b in zip(got, expected, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
