@@ -85,7 +85,7 @@ class TensorFileWriter:
 
     def write(self, chunk: torch.Tensor) -> None:
         """Append `chunk`'s bytes to the current tensor (and move on to the next one when it is full)."""
-        data = memoryview(chunk.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = memoryview(chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # GPU shards too
         if data.nbytes > self._left:
             key = self._sizes[self._entry][0] if self._entry >= 0 else "?"
             raise CheckpointError(
