@@ -20,19 +20,11 @@ from torch import nn
 from hfsdp.ckpt.groups import retarget_groups
 from hfsdp.ckpt.index import GroupSpec
 
+from toy_models import Block
+
 NUM_EXPERTS = 4
 GLOBAL_BATCH, MICROBATCHES = 12, 1
 LR, WEIGHT_DECAY = 1e-2, 0.1
-
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.a = nn.Linear(d, 13)
-        self.b = nn.Linear(13, d)
-
-    def forward(self, x):
-        return x + self.b(torch.tanh(self.a(x)))
 
 
 class Expert(nn.Module):
@@ -216,7 +208,7 @@ def synthetic_groups(moe: bool, ep: int = 1) -> list[GroupSpec]:
                 experts += linear(f"layers.{i}.local_experts.{k}.fc2", 11, 16)
             groups.append(GroupSpec(i, True, "float32", 0, tuple(experts)))
         else:
-            block = linear(f"layers.{i}.a", 16, 13) + linear(f"layers.{i}.b", 13, 16)
+            block = linear(f"layers.{i}.up", 16, 13) + linear(f"layers.{i}.down", 13, 16)
             groups.append(GroupSpec(i, False, "float32", None, tuple(block)))
     root = tuple(linear("inp", 8, 16) + linear("head", 16, 1))
     groups.append(GroupSpec(2 if moe else 3, False, "float32", None, root))

@@ -59,7 +59,7 @@ def _edit_index(ckpt: Path, edit) -> None:
 
 def rename_key_in_index(ckpt: Path) -> str:
     def edit(data):
-        piece = data["tensors"]["main"]["layers.0.a.weight"]["pieces"][0]
+        piece = data["tensors"]["main"]["layers.0.up.weight"]["pieces"][0]
         piece[1] = "main/no.such.tensor"
 
     _edit_index(ckpt, edit)
@@ -68,10 +68,10 @@ def rename_key_in_index(ckpt: Path) -> str:
 
 def shift_piece_in_index(ckpt: Path) -> str:
     def edit(data):
-        data["tensors"]["main"]["layers.2.b.weight"]["pieces"][0][3] -= 1
+        data["tensors"]["main"]["layers.2.down.weight"]["pieces"][0][3] -= 1
 
     _edit_index(ckpt, edit)
-    return "layers.2.b.weight"
+    return "layers.2.down.weight"
 
 
 def wrong_size_in_index(ckpt: Path) -> str:

@@ -86,7 +86,7 @@ def test_reader_chunks_stay_within_the_limit_and_cross_pieces(tmp_path):
     """Reading a range that spans several files in small chunks returns exactly that range."""
     tensors = synthetic_checkpoint(tmp_path / "a", {"world_size": 4, "inner": "optim"})
     index = read_index(tmp_path / "a")
-    name = "layers.0.a.weight"
+    name = "layers.0.up.weight"
     assert len(index.tensors["main"][name].pieces) > 1
     with CheckpointReader(tmp_path / "a", index, max_mapped_bytes=64) as reader:
         chunks = list(reader.chunks("main", name, 5, 200, 7))
@@ -140,7 +140,7 @@ def test_inspect_describes_layout_tensors_and_files(tmp_path):
     assert info["layout"]["name"].startswith("HFSDP 2x2")
     assert info["step"] == 3 and info["extra"] == {"consumed_samples": 72}
     assert info["kinds"] == ["model", "main", "exp_avg", "exp_avg_sq"]
-    weight = next(t for t in info["tensors"] if t["name"] == "layers.1.a.weight")
+    weight = next(t for t in info["tensors"] if t["name"] == "layers.1.up.weight")
     assert weight["shape"] == [13, 16] and weight["dtypes"]["model"] == "bfloat16"
     assert info["total_bytes"] == sum(f["bytes"] for f in info["files"])
 
