@@ -107,3 +107,15 @@ def test_save_reshard_and_resume_through_the_cli(tmp_path):
     assert [r["step"] for r in got] == [3, 4]
     for a, b in zip(got, expected, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_train_moe_with_expert_parallelism_and_two_instances(tmp_path):
+    """`hfsdp train --moe-experts 4 --ep 2 --outer optim --instances 2 --nproc 4` trains and reports HFSDP 2x2."""
+    metrics = tmp_path / "moe.jsonl"
+    moe = ["--moe-experts", "4", "--ep", "2", "--outer", "optim", "--instances", "2", "--nproc", "4"]
+    result = _run(*moe, "--steps", "3", "--metrics", str(metrics), *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "HFSDP 2x2" in result.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records)  # finite, with gradients

@@ -20,21 +20,24 @@ STEPS, MICROBATCHES = 3, 2
 PAIRS = [(o, i) for o, i in itertools.product(Strategy, Strategy) if o.level <= i.level]
 
 
-def _train(rank, world, inner, outer, instances, steps=STEPS, microbatches=MICROBATCHES, clip=None, mp=None):
+def _train(rank, world, inner, outer, instances, steps=STEPS, microbatches=MICROBATCHES, clip=None, sgd=None):
     import torch.distributed as dist
 
     from hfsdp.core.clip import clip_grad_norm_
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.optimizer import ShardedAdamW
+    from hfsdp.core.optimizer import ShardedAdamW, ShardedSGD
     from hfsdp.core.sharded_model import fully_shard
 
     from toy_models import make_toy, microbatch
 
     cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
     model = make_toy()
-    sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp)
-    opt = ShardedAdamW(sharded.groups, lr=1e-2, weight_decay=0.1)
+    sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers))
+    if sgd is None:
+        opt = ShardedAdamW(sharded.groups, lr=1e-2, weight_decay=0.1)
+    else:
+        opt = ShardedSGD(sharded.groups, lr=1e-2, momentum=sgd, weight_decay=0.1)
     losses, norms = [], []
     for step in range(steps):
         total = torch.zeros(())
@@ -75,6 +78,8 @@ def _equivalence_cases(rank, world):
         }
     _, _, losses, norms = _train(rank, world, "optim_grads_params", "optim", 2, clip=0.05)
     out["clip"] = {"losses": losses, "norms": norms}
+    sharded, _, losses, _ = _train(rank, world, "optim_grads_params", "optim", 2, sgd=0.9)
+    out["sgd"] = {"losses": losses, "params": _full_params(sharded)}
     return out
 
 
@@ -139,3 +144,12 @@ def test_clipped_global_norm_equals_reference_norm(equivalence):
     clip = equivalence[0]["clip"]
     torch.testing.assert_close(torch.tensor(clip["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(clip["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def test_sharded_sgd_matches_torch_sgd(equivalence):
+    """ShardedSGD (momentum 0.9, weight decay) on HFSDP 2x2 gives torch.optim.SGD's losses and parameters."""
+    ref_losses, ref_params, _ = reference_run(STEPS, sgd_momentum=0.9)
+    sgd = equivalence[0]["sgd"]
+    torch.testing.assert_close(torch.tensor(sgd["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(sgd["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -56,10 +56,19 @@ def microbatch(step: int, index: int, count: int, rank: int, world: int):
     return x[chunk * size : (chunk + 1) * size], y[chunk * size : (chunk + 1) * size]
 
 
-def reference_run(steps: int, lr: float = 1e-2, weight_decay: float = 0.1, clip: float | None = None):
-    """Train the toy model in one process with torch.optim.AdamW on whole global batches."""
+def reference_run(
+    steps: int,
+    lr: float = 1e-2,
+    weight_decay: float = 0.1,
+    clip: float | None = None,
+    sgd_momentum: float | None = None,
+):
+    """Train the toy model in one process with torch.optim.AdamW (or SGD) on whole global batches."""
     model = make_toy()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if sgd_momentum is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=sgd_momentum, weight_decay=weight_decay)
     losses, norms = [], []
     for step in range(steps):
         loss = model(*global_batch(step))
