@@ -119,3 +119,17 @@ def test_train_moe_with_expert_parallelism_and_two_instances(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records)  # finite, with gradients
+
+
+def test_under_an_external_torchrun_it_joins_instead_of_spawning(tmp_path):
+    """Started by torchrun (2 ranks), `hfsdp train` runs as the given ranks: world 2 from the launcher, not --nproc."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    args = ["--instances", "2", "--outer", "optim", "--steps", "2", "--global-batch-size", "8", *SMALL]
+    result = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "-m", "hfsdp.cli", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "HFSDP 2x1" in result.stdout and "peak RSS MiB per rank: [" in result.stdout
