@@ -27,15 +27,7 @@ from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import model_order
 from hfsdp.ckpt.index import MAIN, read_index
 from hfsdp.ckpt.reader import CheckpointReader
-from hfsdp.ckpt.store import (
-    check_files,
-    ensure_absent,
-    publish_dir,
-    remove_quietly,
-    resolve,
-    temp_dir_for,
-    write_failed,
-)
+from hfsdp.ckpt.store import check_files, ensure_absent, resolve, staged_dir
 from hfsdp.ckpt.writer import TensorFileWriter, dtype_name
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -78,9 +70,8 @@ def export(
     total = sum(math.prod(shape) for _, shape in tensors) * target.itemsize
     chunk_elems = piece // (4 + target.itemsize)  # an fp32 chunk and its cast copy
     done, lock = [0], threading.Lock()
-    tmp = temp_dir_for(out, "export")
 
-    def write_shard(job) -> None:
+    def write_shard(job, tmp: Path) -> None:
         file, members = job
         entries = [(name, dtype_name(target), shape) for name, shape in members]
         writer = TensorFileWriter(tmp / file, entries, metadata={"format": "pt"})
@@ -98,21 +89,14 @@ def export(
             writer.abort()
             raise
 
-    try:
+    with staged_dir(out, "export") as tmp:
         with ThreadPoolExecutor(max(1, io_threads)) as pool:
-            list(pool.map(write_shard, zip(names, shards, strict=True)))
+            list(pool.map(lambda job: write_shard(job, tmp), zip(names, shards, strict=True)))
         weight_map = {name: file for file, members in zip(names, shards, strict=True) for name, _ in members}
         with open(tmp / INDEX_FILE, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        publish_dir(tmp, out)
-    except OSError as err:
-        remove_quietly(tmp)
-        raise write_failed(out, err) from None
-    except BaseException:
-        remove_quietly(tmp)
-        raise
     return ExportResult(out, total, len(names), len(tensors), time.perf_counter() - started)
 
 

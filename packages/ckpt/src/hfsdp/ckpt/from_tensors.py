@@ -16,7 +16,7 @@ import torch
 from hfsdp.ckpt.build import MemorySource, write_index, write_layout
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import MAIN, CheckpointIndex, GroupSpec, meshes_of
-from hfsdp.ckpt.store import ensure_absent, publish_dir, remove_quietly, temp_dir_for, write_failed
+from hfsdp.ckpt.store import ensure_absent, staged_dir
 from hfsdp.ckpt.writer import dtype_name
 from hfsdp.core.config import LayoutConfig
 
@@ -51,8 +51,7 @@ def write_from_tensors(
     if MAIN not in tensors:
         raise CheckpointError("A checkpoint needs the fp32 'main' weights; pass them under tensors['main'].")
     dtypes = {(k, n): dtype_name(t.dtype) for k, entries in tensors.items() for n, t in entries.items()}
-    tmp = temp_dir_for(dst, "write")
-    try:
+    with staged_dir(dst, "write") as tmp:
         source = MemorySource({k: {n: t.detach().cpu().contiguous() for n, t in e.items()} for k, e in tensors.items()})
         written, files = write_layout(tmp, cfg, groups, list(tensors), dtypes, lambda: source, io_threads=io_threads)
         index = CheckpointIndex(
@@ -66,11 +65,4 @@ def write_from_tensors(
             files=files,
         )
         write_index(tmp, index)
-        publish_dir(tmp, dst)
-    except OSError as err:
-        remove_quietly(tmp)
-        raise write_failed(dst, err) from None
-    except BaseException:
-        remove_quietly(tmp)
-        raise
     return dst

@@ -20,15 +20,7 @@ from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import retarget_groups
 from hfsdp.ckpt.index import CheckpointIndex, meshes_of, read_index
 from hfsdp.ckpt.reader import CheckpointReader
-from hfsdp.ckpt.store import (
-    check_files,
-    ensure_absent,
-    publish_dir,
-    remove_quietly,
-    resolve,
-    temp_dir_for,
-    write_failed,
-)
+from hfsdp.ckpt.store import check_files, ensure_absent, resolve, staged_dir
 from hfsdp.core.config import LayoutConfig
 
 
@@ -66,8 +58,7 @@ def reshard(
     check_files(src_dir, index, threads=io_threads, chunk=min(8 << 20, piece))
     groups = retarget_groups(index.groups, index.layout.get("num_moe_experts"), target.ep)
 
-    tmp = temp_dir_for(dst, "reshard")
-    try:
+    with staged_dir(dst, "reshard") as tmp:
         tensors, files = write_layout(
             tmp,
             target,
@@ -94,13 +85,6 @@ def reshard(
             order=list(index.order),
         )
         write_index(tmp, out)
-        publish_dir(tmp, dst)
-    except OSError as err:
-        remove_quietly(tmp)
-        raise write_failed(dst, err) from None
-    except BaseException:
-        remove_quietly(tmp)
-        raise
     total = sum(f.bytes for f in files.values())
     return ReshardResult(src_dir, dst, total, len(files), time.perf_counter() - started)
 

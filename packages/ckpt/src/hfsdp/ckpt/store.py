@@ -17,6 +17,7 @@ import secrets
 import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from hfsdp.ckpt.errors import CheckpointError
@@ -107,6 +108,22 @@ def write_failed(dst: Path, err: OSError) -> CheckpointError:
         f"Writing {dst} failed ({err.strerror or err}{f': {err.filename}' if err.filename else ''}); nothing was left "
         "there and the source is unchanged. Check free space and rights, then run again."
     )
+
+
+@contextmanager
+def staged_dir(final: Path, label: str):
+    """A hidden directory next to `final` to write into: renamed to `final` when the block succeeds,
+    removed when it fails, so no half-written result is ever left (an OSError names `final`)."""
+    tmp = temp_dir_for(final, label)
+    try:
+        yield tmp
+        publish_dir(tmp, final)
+    except OSError as err:
+        remove_quietly(tmp)
+        raise write_failed(final, err) from None
+    except BaseException:
+        remove_quietly(tmp)
+        raise
 
 
 def remove_quietly(path: Path) -> None:
