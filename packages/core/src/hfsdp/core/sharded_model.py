@@ -172,14 +172,10 @@ class ShardedModel(nn.Module):
 
 
 def fully_shard(
-    module: nn.Module,
-    config: LayoutConfig,
-    meshes: HybridMeshes,
-    units: Iterable[nn.Module],
-    mp: MixedPrecision | None = None,
-    is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
-    expert_naming: ExpertNaming | None = None,
-    streams=None,
+    module: nn.Module, config: LayoutConfig, meshes: HybridMeshes, units: Iterable[nn.Module], **options
 ) -> ShardedModel:
-    """Shard `module` on `meshes`: each of `units` gets its own buffers, the root takes the rest."""
-    return ShardedModel(module, config, meshes, units, mp, is_expert, expert_naming, streams)
+    """Shard `module` on `meshes`: each of `units` gets its own buffers, the root takes the rest.
+
+    `options` are ShardedModel's: `mp`, `is_expert`, `expert_naming`, `streams`.
+    """
+    return ShardedModel(module, config, meshes, units, **options)
