@@ -358,7 +358,25 @@ class HfsdpEngine(Engine):
         return self.model.state_bytes() + self.opt.state_bytes()
 
 
-class Fsdp2Engine(Engine):
+class TorchOptimizerEngine(Engine):
+    """An engine whose model is a plain module and whose optimizer is torch.optim's (FSDP2 and plain)."""
+
+    def clip(self):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=True)
+
+    def optimizer_step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_bytes(self):
+        params = list(self.model.parameters())
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
+
+
+class Fsdp2Engine(TorchOptimizerEngine):
     kind = "fsdp2"
 
     def __init__(self, args, timers, compute_dtype, cfg, shape, device, layout: Layout):
@@ -398,22 +416,8 @@ class Fsdp2Engine(Engine):
         (loss / count).backward()
         return loss.detach()
 
-    def clip(self):
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=True)
 
-    def optimizer_step(self):
-        self.opt.step()
-
-    def zero_grad(self):
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_bytes(self):
-        params = list(self.model.parameters())
-        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
-
-
-class PlainEngine(Engine):
+class PlainEngine(TorchOptimizerEngine):
     kind = "plain"
 
     def __init__(self, args, timers, compute_dtype, cfg, shape, device):
@@ -435,20 +439,6 @@ class PlainEngine(Engine):
             loss = lm_loss(self.model, tokens, labels)
         (loss / count).backward()
         return loss.detach()
-
-    def clip(self):
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=True)
-
-    def optimizer_step(self):
-        self.opt.step()
-
-    def zero_grad(self):
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_bytes(self):
-        params = list(self.model.parameters())
-        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
 
 
 def install_phase_timers(timers: CallTimers) -> None:
