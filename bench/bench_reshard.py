@@ -8,7 +8,8 @@ ranks with `write_from_tensors` (the offline writer, same files as an online
 save), then measures, each in a fresh process so peak RSS belongs to one
 operation alone:
 
-- `cp -r` of the checkpoint, and `cp -r` followed by `sync` (reshard fsyncs);
+- `cp -r` of the checkpoint, and `cp -r` followed by an fsync of the copied
+  files (`sync FILE...`), which is what reshard makes durable too;
 - `reshard` to ZeRO-3 1x6 (uneven: 8 -> 6 ranks), with and without the final
   re-verification of the written checksums, at the default and a small budget;
 - `export` to bf16 safetensors files;
@@ -17,7 +18,10 @@ operation alone:
   slowest rank's, memory the largest rank's.
 
 Every source read comes from the page cache (the files were just written), as
-for cp. Memory is the peak RSS of the process minus its RSS after imports.
+for cp. Memory is the peak RSS of the process minus its RSS after imports. The
+hfsdp and cp rows run interleaved, one of each per round after a `sync`, so
+background load and write-back hit them alike; the last line gives the ratio
+reshard / (cp + fsync) of each round.
 """
 
 from __future__ import annotations
@@ -194,19 +198,7 @@ def main() -> None:
     size = du(src)
     print(f"built {size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     pressure_before = cpu_pressure()
-    rows = []
-
-    def measure(name: str, nbytes: int, run) -> None:
-        """Run `run` (-> seconds, memory text) `--repeat` times, removing its output after each."""
-        results = []
-        for _ in range(args.repeat):
-            results.append(run())
-            for leftover in ("cp", "dst", "export"):
-                shutil.rmtree(work / leftover, ignore_errors=True)
-            subprocess.run(["sync"], check=True)
-        seconds = sorted(r[0] for r in results)
-        median = seconds[len(seconds) // 2]
-        rows.append((name, median, seconds[0], nbytes / 1e9 / median, results[-1][1]))
+    copy_and_fsync = f"cp -r {src} {work / 'cp'} && sync {work / 'cp'}/* {work / 'cp'}"
 
     def hfsdp(*op: str):
         def run():
@@ -215,17 +207,38 @@ def main() -> None:
 
         return run
 
+    exported = size * 2 // 14  # bf16 weights: 2 of the 14 bytes per parameter
+    operations = [
+        ("`cp -r`", size, lambda: (timed(["cp", "-r", str(src), str(work / "cp")]), "-")),
+        ("`cp -r` + fsync of its files", size, lambda: (timed(["sh", "-c", copy_and_fsync]), "-")),
+    ]
+    for budget, verify in (("256", "1"), ("256", "0"), ("64", "1")):
+        label = f"hfsdp reshard 8 -> 6, budget {budget} MiB" + ("" if verify == "1" else ", no re-verify")
+        operations.append((label, size, hfsdp("reshard", str(src), str(work / "dst"), budget, verify)))
+    operations.append(("hfsdp export bf16 (bytes written)", exported, hfsdp("export", str(src), str(work / "export"))))
+
+    # Interleaved rounds: every operation once per round, so each sees the same
+    # background load and the same state of the disk's write-back as its neighbours.
+    results: dict[str, list] = {name: [] for name, _, _ in operations}
+    for _ in range(args.repeat):
+        for name, _, run in operations:
+            subprocess.run(["sync"], check=True)
+            results[name].append(run())
+            for leftover in ("cp", "dst", "export"):
+                shutil.rmtree(work / leftover, ignore_errors=True)
+    rows = []
+    for name, nbytes, _ in operations:
+        seconds = sorted(r[0] for r in results[name])
+        median = seconds[len(seconds) // 2]
+        rows.append((name, median, seconds[0], nbytes / 1e9 / median, results[name][-1][1]))
+    copy_times = [r[0] for r in results["`cp -r` + fsync of its files"]]
+    reshard_times = [r[0] for r in results["hfsdp reshard 8 -> 6, budget 256 MiB"]]
+    ratios = sorted(a / b for a, b in zip(reshard_times, copy_times, strict=True))
+
     def dcp_load():
         r = run_dcp("load", str(work / "dcp"), 3, args.units)
         return r["seconds"], f"{r['delta']:.0f} per rank (peak {r['peak']:.0f})"
 
-    measure("`cp -r`", size, lambda: (timed(["cp", "-r", str(src), str(work / "cp")]), "-"))
-    measure("`cp -r` + `sync`", size, lambda: (timed(["sh", "-c", f"cp -r {src} {work / 'cp'} && sync"]), "-"))
-    for budget, verify in (("256", "1"), ("256", "0"), ("64", "1")):
-        label = f"hfsdp reshard 8 -> 6, budget {budget} MiB" + ("" if verify == "1" else ", no re-verify")
-        measure(label, size, hfsdp("reshard", str(src), str(work / "dst"), budget, verify))
-    exported = size * 2 // 14  # bf16 weights: 2 of the 14 bytes per parameter
-    measure("hfsdp export bf16 (bytes written)", exported, hfsdp("export", str(src), str(work / "export")))
     save = run_dcp("save", str(work / "dcp"), 4, args.units)
     dcp_size = du(work / "dcp")
     rows.append(
@@ -237,16 +250,24 @@ def main() -> None:
             f"{save['delta']:.0f} per rank (peak {save['peak']:.0f})",
         )
     )
-    measure("DCP load 4 -> 3 ranks (reshard on load)", dcp_size, dcp_load)
+    loads = sorted(dcp_load() for _ in range(args.repeat))
+    median = loads[len(loads) // 2]
+    name = "DCP load 4 -> 3 ranks (reshard on load)"
+    rows.append((name, median[0], loads[0][0], dcp_size / 1e9 / median[0], median[1]))
     if not args.keep:
         shutil.rmtree(work)
 
     print(f"\nCheckpoint of {size / 1e9:.2f} GB ({args.units} units, bf16 model + fp32 main, exp_avg, exp_avg_sq);")
-    print(f"median of {args.repeat} runs; CPU pressure (60 s) before {pressure_before}, after {cpu_pressure()}.\n")
+    print(f"median of {args.repeat} interleaved rounds; CPU pressure (60 s) before {pressure_before}, ", end="")
+    print(f"after {cpu_pressure()}.\n")
     print("| operation | seconds (median) | best | GB/s (median) | extra memory MiB (peak RSS) |")
     print("|---|---:|---:|---:|---|")
     for name, median, best, rate, mem in rows:
         print(f"| {name} | {median:.2f} | {best:.2f} | {rate:.2f} | {mem} |")
+    print(
+        f"\nreshard (256 MiB, verified) / (cp -r + fsync), per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+        f"median {ratios[len(ratios) // 2]:.2f}"
+    )
 
 
 if __name__ == "__main__":

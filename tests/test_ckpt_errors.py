@@ -79,6 +79,11 @@ def wrong_size_in_index(ckpt: Path) -> str:
     return "rank-00000.safetensors"
 
 
+def unknown_checksum_algorithm(ckpt: Path) -> str:
+    _edit_index(ckpt, lambda data: data["files"]["rank-00001.safetensors"].update(checksum="md5:0123abcd"))
+    return "index.json"
+
+
 def garbage_index(ckpt: Path) -> str:
     (ckpt / "index.json").write_text("{not json")
     return "index.json"
@@ -97,6 +102,7 @@ DAMAGE = {
     "index pieces leave a gap": (shift_piece_in_index, "index"),
     "index records another size": (wrong_size_in_index, "bytes"),
     "unreadable index": (garbage_index, "cannot be read"),
+    "unknown checksum algorithm": (unknown_checksum_algorithm, "md5"),
     "no index (a crashed save)": (no_index, "no index.json"),
 }
 

@@ -7,12 +7,13 @@ an online save), so these tests need no process group.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import pytest
 import torch
 
-from hfsdp.ckpt import export, inspect, read_index, reshard, verify
+from hfsdp.ckpt import CheckpointError, export, inspect, read_index, reshard, verify
 from hfsdp.ckpt.groups import merged_order, retarget_groups
 from hfsdp.ckpt.index import GroupSpec
 from hfsdp.ckpt.pieces import plan_writes
@@ -143,6 +144,31 @@ def test_inspect_describes_layout_tensors_and_files(tmp_path):
     weight = next(t for t in info["tensors"] if t["name"] == "layers.1.up.weight")
     assert weight["shape"] == [13, 16] and weight["dtypes"]["model"] == "bfloat16"
     assert info["total_bytes"] == sum(f["bytes"] for f in info["files"])
+
+
+def test_version_1_index_with_sha256_digests_is_still_verified(tmp_path):
+    """An index written by hfsdp 0.1 (version 1, bare sha256 digests) is verified with sha256 and reshards."""
+    synthetic_checkpoint(tmp_path / "a", {"world_size": 4, "instances": 2})
+    index_path = tmp_path / "a" / "index.json"
+    data = json.loads(index_path.read_text())
+    data["version"] = 1
+    data["files"] = {
+        name: {"sha256": digest, "bytes": (tmp_path / "a" / name).stat().st_size}
+        for name, digest in _file_hashes(tmp_path / "a").items()
+        if name != "index.json"
+    }
+    index_path.write_text(json.dumps(data))
+
+    verify(tmp_path / "a")
+    reshard(tmp_path / "a", tmp_path / "b", LayoutConfig(world_size=3))
+    assert all(f.checksum.startswith("xxh3_128:") for f in read_index(tmp_path / "b").files.values())
+
+    shard = tmp_path / "a" / "rank-00001.safetensors"
+    damaged = bytearray(shard.read_bytes())
+    damaged[-3] ^= 0x01
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match=r"rank-00001\.safetensors does not match its checksum.*sha256:"):
+        verify(tmp_path / "a")
 
 
 def _file_hashes(path) -> dict[str, str]:

@@ -24,10 +24,11 @@ from typing import Protocol
 
 import torch
 
+from hfsdp.ckpt.checksum import short
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import INDEX_NAME, CheckpointIndex, FileEntry, GroupSpec, Piece, TensorEntry
 from hfsdp.ckpt.pieces import WriteItem, file_name, plan_writes, tensor_key
-from hfsdp.ckpt.store import sha256_file
+from hfsdp.ckpt.store import checksum_like
 from hfsdp.ckpt.writer import TensorFileWriter, torch_dtype
 from hfsdp.core.config import LayoutConfig
 
@@ -157,11 +158,11 @@ def write_layout(
 
 
 def _reverify(path: Path, written: FileEntry, chunk_bytes: int) -> None:
-    got = sha256_file(path, min(8 << 20, chunk_bytes))
+    got = checksum_like(path, written, min(8 << 20, chunk_bytes))
     if got != written:
         raise CheckpointError(
-            f"{path} reads back differently from what was written (sha256 {got.sha256[:16]}... instead of "
-            f"{written.sha256[:16]}..., {got.bytes} bytes instead of {written.bytes}); the disk or another process "
+            f"{path} reads back differently from what was written ({short(got.checksum)} instead of "
+            f"{short(written.checksum)}, {got.bytes} bytes instead of {written.bytes}); the disk or another process "
             "changed it. Nothing was published; check the storage and run the command again."
         )
 

@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hfsdp.ckpt.checksum import split
 from hfsdp.ckpt.errors import CheckpointError
 
 FORMAT = "hfsdp-checkpoint"
-VERSION = 1
+#: Version 2 records "<algorithm>:<hex>" checksums; version 1 (hfsdp 0.1) recorded bare sha256 digests.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 INDEX_NAME = "index.json"
 #: State kinds every checkpoint has; optimizer states come on top.
 MODEL, MAIN = "model", "main"
@@ -76,7 +79,7 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class FileEntry:
-    sha256: str
+    checksum: str  # "<algorithm>:<hex digest>", see checksum.py
     bytes: int
 
 
@@ -141,7 +144,7 @@ class CheckpointIndex:
                 }
                 for kind, entries in self.tensors.items()
             },
-            "files": {name: {"sha256": f.sha256, "bytes": f.bytes} for name, f in self.files.items()},
+            "files": {name: {"checksum": f.checksum, "bytes": f.bytes} for name, f in self.files.items()},
         }
 
     @classmethod
@@ -161,10 +164,11 @@ class CheckpointIndex:
 def _parse(data: dict[str, Any]) -> CheckpointIndex:
     if data.get("format") != FORMAT:
         raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
-    if data.get("version") != VERSION:
+    version = data.get("version")
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"The checkpoint index has format version {data.get('version')!r}, but this hfsdp reads version "
-            f"{VERSION}; convert it with the hfsdp release that wrote it."
+            f"The checkpoint index has format version {version!r}, but this hfsdp reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; convert it with the hfsdp release that wrote it."
         )
     groups = [
         GroupSpec(
@@ -187,7 +191,7 @@ def _parse(data: dict[str, Any]) -> CheckpointIndex:
         }
         for kind, entries in data["tensors"].items()
     }
-    files = {str(n): FileEntry(str(f["sha256"]), int(f["bytes"])) for n, f in data["files"].items()}
+    files = {str(n): _file_entry(f, version) for n, f in data["files"].items()}
     return CheckpointIndex(
         step=int(data["step"]),
         layout=dict(data["layout"]),
@@ -200,6 +204,12 @@ def _parse(data: dict[str, Any]) -> CheckpointIndex:
         rng=dict(data.get("rng") or {}),
         order=[str(n) for n in data.get("order") or []],
     )
+
+
+def _file_entry(data: dict[str, Any], version: int) -> FileEntry:
+    checksum = f"sha256:{data['sha256']}" if version == 1 else str(data["checksum"])
+    split(checksum)  # raises ValueError for an unknown algorithm: a malformed index
+    return FileEntry(checksum, int(data["bytes"]))
 
 
 def read_index(ckpt_dir: Path) -> CheckpointIndex:

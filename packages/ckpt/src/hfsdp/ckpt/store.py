@@ -10,7 +10,6 @@ a directory that was complete before it was written.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
@@ -20,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from hfsdp.ckpt.checksum import file_checksum, short, split
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import INDEX_NAME, CheckpointIndex, FileEntry
 
@@ -138,34 +138,28 @@ def ensure_absent(path: Path, what: str) -> None:
         )
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> FileEntry:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            size += n
-    return FileEntry(h.hexdigest(), size)
+def checksum_like(path: Path, expected: FileEntry, chunk: int = 8 << 20) -> FileEntry:
+    """The size and checksum of the file at `path`, computed with the algorithm `expected` records."""
+    algorithm, _ = split(expected.checksum)
+    return FileEntry(*file_checksum(path, algorithm, chunk))
 
 
 def check_files(
     ckpt_dir: Path, index: CheckpointIndex, names: Iterable[str] | None = None, threads: int = 1, chunk: int = 8 << 20
 ) -> int:
-    """Check size and sha256 of `names` (default: every file of the index), reading `chunk` bytes at a time."""
+    """Check size and checksum of `names` (default: every file of the index), reading `chunk` bytes at a time."""
     names = sorted(index.files if names is None else set(names))
     check_sizes(ckpt_dir, index, names)
 
     def digest(name: str) -> tuple[str, FileEntry]:
-        return name, sha256_file(ckpt_dir / name, chunk)
+        return name, checksum_like(ckpt_dir / name, index.files[name], chunk)
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for name, got in pool.map(digest, names):
-            if got.sha256 != index.files[name].sha256:
+            if got.checksum != index.files[name].checksum:
                 raise CheckpointError(
-                    f"{ckpt_dir / name} does not match its checksum in the index (sha256 {got.sha256[:16]}... instead "
-                    f"of {index.files[name].sha256[:16]}...): its contents changed after it was written (a flipped "
+                    f"{ckpt_dir / name} does not match its checksum in the index ({short(got.checksum)} instead "
+                    f"of {short(index.files[name].checksum)}): its contents changed after it was written (a flipped "
                     "bit, a partial copy, an edit). Restore it from a good copy."
                 )
     return sum(index.files[n].bytes for n in names)

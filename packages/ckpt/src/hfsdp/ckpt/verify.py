@@ -1,6 +1,6 @@
 """`verify`: is this checkpoint exactly what its index says? `inspect`: what does it hold?
 
-verify checks every file's size and sha256, then that the index agrees with the
+verify checks every file's size and checksum, then that the index agrees with the
 files and with itself: each piece names a file and key that exist, with the
 index's dtype and the piece's length; the pieces of every tensor cover it
 exactly once; every state kind holds the same tensors; the group structure
@@ -114,6 +114,6 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "groups": len(index.groups),
         "tensors": tensors,
         "parameters": sum(t["numel"] for t in tensors),
-        "files": [{"name": n, "bytes": f.bytes, "sha256": f.sha256} for n, f in index.files.items()],
+        "files": [{"name": n, "bytes": f.bytes, "checksum": f.checksum} for n, f in index.files.items()],
         "total_bytes": sum(f.bytes for f in index.files.values()),
     }

@@ -4,14 +4,13 @@
 file, or a reshard's target file, can be larger than the memory we allow, so
 this writer takes the list of tensors (key, dtype, shape) up front, writes the
 header, and then accepts each tensor's bytes in any number of consecutive
-chunks. The sha256 is computed from the same buffers as they are written, so
+chunks. The checksum is computed from the same buffers as they are written, so
 checksumming costs no second read. The result is a plain safetensors file that
 any reader opens.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from hfsdp.ckpt.checksum import ALGORITHM, new_hasher, render
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import FileEntry
 
@@ -68,7 +68,7 @@ class TensorFileWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # align the data to 8 bytes, as safetensors itself does
         self.data_bytes = offset
-        self._hash = hashlib.sha256()
+        self._hash = new_hasher(ALGORITHM)
         self._file = open(self.path, "wb")  # noqa: SIM115 - closed in finish/abort
         self._entry, self._left = -1, 0
         self._emit(struct.pack("<Q", len(raw)) + raw)
@@ -109,7 +109,7 @@ class TensorFileWriter:
         os.fsync(self._file.fileno())
         size = self._file.tell()
         self._file.close()
-        return FileEntry(self._hash.hexdigest(), size)
+        return FileEntry(render(ALGORITHM, self._hash), size)
 
     def abort(self) -> None:
         self._file.close()

@@ -183,6 +183,8 @@ def inspect(
 
 
 def _print_inspect(info: dict[str, Any]) -> None:
+    from hfsdp.ckpt.checksum import short
+
     console = _console()
     layout = info["layout"]
     say = lambda text: console.print(text, markup=False)  # noqa: E731
@@ -204,7 +206,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
         say(f"  {t['name'].ljust(width)}  {t['shape']!s:<14} {t['bytes']:>12,} B  {dtypes}")
     say(f"{len(info['files'])} files, {info['total_bytes']:,} bytes:")
     for f in info["files"]:
-        say(f"  {f['name']}  {f['bytes']:>12,}  sha256 {f['sha256'][:16]}")
+        say(f"  {f['name']}  {f['bytes']:>12,}  {short(f['checksum'])}")
 
 
 @app.command()
