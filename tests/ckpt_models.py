@@ -28,13 +28,16 @@ LR, WEIGHT_DECAY = 1e-2, 0.1
 
 
 class Expert(nn.Module):
+    """An MLP expert with a persistent buffer (`gain`), which checkpoints must carry per global expert."""
+
     def __init__(self, d: int):
         super().__init__()
         self.fc1 = nn.Linear(d, 11)
         self.fc2 = nn.Linear(11, d)
+        self.register_buffer("gain", torch.rand(11) + 0.5)
 
     def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
+        return self.fc2(torch.tanh(self.fc1(x)) * self.gain.to(x.dtype))
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -101,16 +104,23 @@ class MoEBlock(nn.Module):
 
 
 class Toy(nn.Module):
+    """Besides its trained parameters, a frozen parameter and two buffers (float, and an int64 counter that
+    forward advances): the module tensors the engine does not shard, which checkpoints store whole."""
+
     def __init__(self, moe: bool = False, ep: int = 1, ep_rank: int = 0, group=None, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
+        self.input_scale = nn.Parameter(torch.rand(8) + 0.5, requires_grad=False)
+        self.register_buffer("shift", torch.randn(16) * 0.1)
+        self.register_buffer("forward_calls", torch.zeros((), dtype=torch.int64))
         self.inp = nn.Linear(8, 16)
         blocks = [MoEBlock(16, i, ep, ep_rank, group, seed) if moe else Block(16) for i in range(2 if moe else 3)]
         self.layers = nn.ModuleList(blocks)
         self.head = nn.Linear(16, 1)
 
     def forward(self, x, y):
-        h = self.inp(x)
+        self.forward_calls += 1
+        h = self.inp(x * self.input_scale.to(x.dtype)) + self.shift.to(x.dtype)
         for layer in self.layers:
             h = layer(h)
         return ((self.head(h).squeeze(-1) - y) ** 2).mean()
@@ -122,7 +132,7 @@ def data(step: int):
 
 
 def reference(moe: bool, steps: int):
-    """Single-process torch.optim.AdamW run: losses per step and parameters after each step."""
+    """Single-process torch.optim.AdamW run: losses per step and the state dict after each step."""
     model = Toy(moe=moe)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses, params = [], []
@@ -133,7 +143,7 @@ def reference(moe: bool, steps: int):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        params.append({n: t.detach().clone() for n, t in model.state_dict().items()})
     return losses, params
 
 
@@ -216,7 +226,8 @@ def synthetic_groups(moe: bool, ep: int = 1) -> list[GroupSpec]:
 
 
 def synthetic_checkpoint(path, layout: dict, moe: bool = False, model_dtype=torch.bfloat16, seed: int = 0):
-    """Write a checkpoint of random tensors (model, main, exp_avg, exp_avg_sq) for `layout`; returns its groups."""
+    """Write a checkpoint of random tensors (model, main, exp_avg, exp_avg_sq, and the unsharded module tensors)
+    for `layout`; returns them by kind ("unsharded" for the module tensors) and global name."""
     from hfsdp.ckpt import write_from_tensors
     from hfsdp.core.config import LayoutConfig
 
@@ -233,9 +244,22 @@ def synthetic_checkpoint(path, layout: dict, moe: bool = False, model_dtype=torc
         "exp_avg": {n: torch.randn(s, generator=gen) for n, s in shapes.items()},
         "exp_avg_sq": {n: torch.rand(s, generator=gen) for n, s in shapes.items()},
     }
+    unsharded = {
+        "input_scale": torch.rand(8, generator=gen),
+        "shift": torch.randn(16, generator=gen),
+        "forward_calls": torch.tensor(3, dtype=torch.int64),
+    }
+    if moe:
+        unsharded.update(
+            (f"layers.{i}.local_experts.{k}.gain", torch.rand(11, generator=gen))
+            for i in range(2)
+            for k in range(NUM_EXPERTS)
+        )
     optimizer = {"type": "ShardedAdamW", "step_count": 3, "hyper": {"lr": LR}, "states": ["exp_avg", "exp_avg_sq"]}
-    write_from_tensors(path, cfg, groups, tensors, step=3, extra={"consumed_samples": 72}, optimizer=optimizer)
-    return tensors
+    write_from_tensors(
+        path, cfg, groups, tensors, step=3, extra={"consumed_samples": 72}, optimizer=optimizer, unsharded=unsharded
+    )
+    return {**tensors, "unsharded": unsharded}
 
 
 # -- phases run on every rank by the resume tests -----------------------------------------
@@ -256,12 +280,20 @@ def save_and_continue(root, layout: dict, moe: bool = False, bf16: bool = False,
 def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False):
     """Build a differently initialised engine, load `path` into it, train steps 2 and 3."""
     from hfsdp.ckpt import load_checkpoint
+    from hfsdp.ckpt.model_state import unsharded_state
 
     sm, opt = engine(layout, moe, seed=1, bf16=bf16)
     extra = load_checkpoint(path, sm, opt)
     step_count = opt.step_count
+    unsharded = {name: t.detach().clone() for name, t in unsharded_state(sm).items()}
     losses = train(sm, opt, 2, start=2)
-    return {"losses": losses, "extra": extra, "step_count": step_count, "state": local_state(sm, opt)}
+    return {
+        "losses": losses,
+        "extra": extra,
+        "step_count": step_count,
+        "state": local_state(sm, opt),
+        "unsharded": unsharded,
+    }
 
 
 def local_state(sm, opt) -> list[dict[str, torch.Tensor]]:

@@ -67,11 +67,17 @@ def test_round_trip_reshard_is_byte_identical(tmp_path):
     assert _file_hashes(tmp_path / "a") == _file_hashes(tmp_path / "c")
     first, back = read_index(tmp_path / "a"), read_index(tmp_path / "c")
     assert first.tensors == back.tensors and first.groups == back.groups and first.files == back.files
+    assert first.unsharded == back.unsharded
     assert read_index(tmp_path / "b").files.keys() == {f"rank-{r:05d}.safetensors" for r in range(3)}
+    # whole module tensors: dense ones in rank 0's file, an expert's in the file of its ep rank's first rank
+    homes = {name: entry.pieces[0].file for name, entry in first.unsharded.items()}
+    assert homes["shift"] == homes["layers.1.local_experts.1.gain"] == "rank-00000.safetensors"
+    assert homes["layers.1.local_experts.2.gain"] == "rank-00001.safetensors"
 
 
 def test_resharded_tensors_equal_the_written_ones(tmp_path):
-    """Every kind of every tensor reads back, after a reshard from 4 to 3 ranks, as the tensor written."""
+    """Every kind of every tensor (buffers and frozen parameters too) reads back, after a reshard from 4 to 3
+    ranks, as the tensor written."""
     tensors = synthetic_checkpoint(tmp_path / "a", {"world_size": 4, "instances": 2})
     reshard(tmp_path / "a", tmp_path / "b", LayoutConfig(world_size=3, inner="optim_grads"))
     index = read_index(tmp_path / "b")
@@ -126,12 +132,16 @@ def test_export_writes_size_split_files_in_the_requested_dtype(tmp_path):
     loaded = {}
     for f in files:
         part = load_file(f)
-        assert sum(t.numel() * 2 for t in part.values()) <= 1500 or len(part) == 1
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 1500 or len(part) == 1
         loaded.update(part)
-    assert loaded.keys() == tensors["main"].keys()
+    assert loaded.keys() == tensors["main"].keys() | tensors["unsharded"].keys()
     for name, value in tensors["main"].items():
         assert loaded[name].dtype == torch.bfloat16
         assert torch.equal(loaded[name], value.to(torch.bfloat16))
+    # buffers and frozen parameters: floating ones cast like the weights, the int64 counter kept as it is
+    for name, value in tensors["unsharded"].items():
+        expected = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert loaded[name].dtype == expected.dtype and torch.equal(loaded[name], expected), name
 
 
 def test_inspect_describes_layout_tensors_and_files(tmp_path):
@@ -173,3 +183,23 @@ def test_version_1_index_with_sha256_digests_is_still_verified(tmp_path):
 
 def _file_hashes(path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_load_refuses_a_model_whose_buffers_differ_from_the_checkpoint(tmp_path):
+    """A buffer or frozen parameter missing on either side, or of another shape, is named (checked on gathered
+    shapes, so every rank raises the same error)."""
+    from hfsdp.ckpt.load import _check_unsharded
+
+    synthetic_checkpoint(tmp_path / "a", {"world_size": 2})
+    index = read_index(tmp_path / "a")
+    good = [("input_scale", (8,)), ("shift", (16,)), ("forward_calls", ())]
+    _check_unsharded(tmp_path, index, [good, good])
+    cases = [
+        ([good[:2]], "has buffer or frozen parameter 'forward_calls', which the model lacks"),
+        ([[*good, ("extra", (1,))]], "has no buffer or frozen parameter 'extra' of the model"),
+        ([[good[0], ("shift", (15,)), good[2]]], "'shift' has shape [15] in the model but [16]"),
+    ]
+    for gathered, words in cases:
+        with pytest.raises(CheckpointError) as err:
+            _check_unsharded(tmp_path, index, gathered)
+        assert words in str(err.value)

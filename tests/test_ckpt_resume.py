@@ -87,10 +87,13 @@ RESUMED = [
 
 @pytest.mark.parametrize(("label", "moe"), RESUMED)
 def test_resume_on_another_layout_matches_uninterrupted_reference(runs, refs, label, moe):
-    """Two steps on layout A, reshard to B, two steps on B: the losses of an uninterrupted 4-step run."""
-    losses, _ = refs[moe]
+    """Two steps on layout A, reshard to B, two steps on B: the losses of an uninterrupted 4-step run, and
+    the module tensors the engine does not shard restored into a differently initialised model."""
+    losses, states = refs[moe]
     result = runs[label]
     assert result["step_count"] == 2
+    # the frozen parameter and the buffers (an expert's by global index) are the reference's after step 2
+    assert result["unsharded"] and all(torch.equal(t, states[1][n]) for n, t in result["unsharded"].items())
     assert result["extra"] == {"consumed_samples": 2 * GLOBAL_BATCH, "step": 2}
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
 
@@ -133,7 +136,8 @@ def test_offline_expert_regrouping_matches_the_online_structure(runs):
 
 @pytest.mark.parametrize(("name", "moe"), [("hsdp", False), ("moe_ep2", True)])
 def test_export_equals_reference_parameters(runs, refs, tmp_path, name, moe):
-    """Exported weights after step 2 are the reference model's state dict, under its own names."""
+    """Exported weights after step 2 are the reference model's state dict (parameters, frozen parameters,
+    buffers), under its own names and in its own order."""
     _, params = refs[moe]
     out = tmp_path / "export"
     export(runs["root"] / name, out, "fp32", max_shard_bytes=2000)
@@ -142,7 +146,7 @@ def test_export_equals_reference_parameters(runs, refs, tmp_path, name, moe):
     for file in sorted(set(index["weight_map"].values())):
         loaded.update(load_file(out / file))
     assert list(index["weight_map"]) == list(params[1])  # the model's own order
-    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in params[1].values())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in params[1].values())
     for key, value in params[1].items():
         torch.testing.assert_close(loaded[key], value, rtol=1e-5, atol=1e-6)
 

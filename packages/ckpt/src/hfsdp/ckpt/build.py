@@ -1,8 +1,9 @@
 """Writing a layout's files from any source of flat ranges: the shared back half of save, reshard and import.
 
 `file_entries` fixes what one rank's file holds and in which order (every kind of
-each planned piece, then the rank's RNG state); `index_tensors` turns a plan
-into the index's piece lists. The online save and the offline writer below both
+each planned piece, then the unsharded module tensors it owns, then the rank's
+RNG state); `index_tensors` and `index_unsharded` turn a plan into the index's
+piece lists. The online save and the offline writer below both
 use them, which is why a reshard writes exactly what an online save of the
 target layout would.
 
@@ -26,8 +27,8 @@ import torch
 
 from hfsdp.ckpt.checksum import short
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.index import INDEX_NAME, CheckpointIndex, FileEntry, GroupSpec, Piece, TensorEntry
-from hfsdp.ckpt.pieces import WriteItem, file_name, plan_writes, tensor_key
+from hfsdp.ckpt.index import INDEX_NAME, UNSHARDED, CheckpointIndex, FileEntry, GroupSpec, Piece, TensorEntry
+from hfsdp.ckpt.pieces import WriteItem, file_name, plan_writes, tensor_key, unsharded_owner
 from hfsdp.ckpt.store import checksum_like
 from hfsdp.ckpt.writer import TensorFileWriter, torch_dtype
 from hfsdp.core.config import LayoutConfig
@@ -41,11 +42,41 @@ class RangeSource(Protocol):
     def chunks(self, kind: str, name: str, start: int, stop: int, max_elems: int): ...
 
 
-def file_entries(items: list[WriteItem], kinds: list[str], dtypes: Dtypes, rng: dict[str, torch.Tensor] | None):
-    """(key, dtype, shape) of everything one rank's file holds, in file order."""
+def file_entries(
+    items: list[WriteItem],
+    kinds: list[str],
+    dtypes: Dtypes,
+    rng: dict[str, torch.Tensor] | None,
+    unsharded: dict[str, TensorEntry] | None = None,
+):
+    """(key, dtype, shape) of everything one rank's file holds, in file order.
+
+    `unsharded` are the whole module tensors this rank writes, stored flat.
+    """
     entries = [(tensor_key(k, it.name), dtypes[k, it.name], (it.numel,)) for k in kinds for it in items]
+    entries += [(tensor_key(UNSHARDED, name), t.dtype, (t.numel,)) for name, t in (unsharded or {}).items()]
     entries += [(key, "uint8", (t.numel(),)) for key, t in (rng or {}).items()]
     return entries
+
+
+def plan_unsharded(cfg: LayoutConfig, unsharded: dict[str, TensorEntry]) -> dict[int, dict[str, TensorEntry]]:
+    """Which rank writes which unsharded module tensor (see `pieces.unsharded_owner`)."""
+    plan: dict[int, dict[str, TensorEntry]] = {}
+    for name, entry in unsharded.items():
+        plan.setdefault(unsharded_owner(cfg, name), {})[name] = entry
+    return plan
+
+
+def index_unsharded(cfg: LayoutConfig, unsharded: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The index's unsharded tensors: each one whole, in its owner's file."""
+    return {
+        name: TensorEntry(
+            entry.shape,
+            entry.dtype,
+            [Piece(file_name(unsharded_owner(cfg, name)), tensor_key(UNSHARDED, name), 0, entry.numel)],
+        )
+        for name, entry in unsharded.items()
+    }
 
 
 def index_tensors(
@@ -93,21 +124,26 @@ def write_layout(
     open_source: Callable[[], RangeSource],
     *,
     rng: dict[int, dict[str, torch.Tensor]] | None = None,
+    unsharded: dict[str, TensorEntry] | None = None,
     io_threads: int = 4,
     memory_budget_bytes: int = 256 << 20,
     progress: Progress | None = None,
     verify_written: bool = False,
-) -> tuple[dict[str, dict[str, TensorEntry]], dict[str, FileEntry]]:
-    """Write every rank's file of layout `cfg` into `out_dir`; return the index's tensors and files.
+) -> tuple[dict[str, dict[str, TensorEntry]], dict[str, TensorEntry], dict[str, FileEntry]]:
+    """Write every rank's file of layout `cfg` into `out_dir`; return the index's tensors, unsharded and files.
 
-    With `verify_written`, each file is read back and checksummed as soon as it
-    is complete, while other threads still write: the check overlaps the work.
+    `unsharded` (global name -> shape and dtype) are the whole module tensors,
+    read from the source under the kind UNSHARDED. With `verify_written`, each
+    file is read back and checksummed as soon as it is complete, while other
+    threads still write: the check overlaps the work.
     """
     plan = plan_writes(cfg, groups)
+    unsharded = unsharded or {}
+    owned = plan_unsharded(cfg, unsharded)
     rng = rng or {}
     jobs = []
     for rank, items in plan.items():
-        entries = file_entries(items, kinds, dtypes, rng.get(rank))
+        entries = file_entries(items, kinds, dtypes, rng.get(rank), owned.get(rank))
         if entries:
             jobs.append((rank, items, entries))
     total = sum(_nbytes(e) for _, _, e in jobs)
@@ -127,14 +163,21 @@ def write_layout(
             local.source = open_source()
         source = local.source
         writer = TensorFileWriter(out_dir / file_name(rank), entries)
+
+        def copy(chunks) -> None:
+            for chunk in chunks:
+                writer.write(chunk)
+                advance(chunk.numel() * chunk.element_size())
+                del chunk
+
         try:
             for kind in kinds:
                 for it in items:
                     max_elems = max(1, chunk_bytes // torch_dtype(dtypes[kind, it.name]).itemsize)
-                    for chunk in source.chunks(kind, it.name, it.start, it.stop, max_elems):
-                        writer.write(chunk)
-                        advance(chunk.numel() * chunk.element_size())
-                        del chunk
+                    copy(source.chunks(kind, it.name, it.start, it.stop, max_elems))
+            for name, entry in owned.get(rank, {}).items():
+                max_elems = max(1, chunk_bytes // torch_dtype(entry.dtype).itemsize)
+                copy(source.chunks(UNSHARDED, name, 0, entry.numel, max_elems))
             for tensor in rng.get(rank, {}).values():
                 writer.write(tensor)
             written = writer.finish()
@@ -154,7 +197,7 @@ def write_layout(
     if progress is not None:
         progress(total, total)
     tensors = index_tensors(plan, groups, kinds, dtypes, {rank for rank, _, _ in jobs})
-    return tensors, dict(sorted(files.items()))
+    return tensors, index_unsharded(cfg, unsharded), dict(sorted(files.items()))
 
 
 def _reverify(path: Path, written: FileEntry, chunk_bytes: int) -> None:
@@ -184,6 +227,6 @@ class MemorySource:
         self.tensors = tensors
 
     def chunks(self, kind: str, name: str, start: int, stop: int, max_elems: int):
-        flat = self.tensors[kind][name].reshape(-1)
+        flat = self.tensors[kind][name].reshape(-1)  # kind UNSHARDED: the whole module tensors
         for lo in range(start, stop, max_elems):
             yield flat[lo : min(lo + max_elems, stop)]

@@ -5,7 +5,8 @@ The output is what the Hugging Face ecosystem expects: files
 state-dict names (experts by global index, i.e. the names with ep = 1), and
 `model.safetensors.index.json` mapping each name to its file. Weights come from
 the fp32 main weights, cast to the requested dtype chunk by chunk, so memory
-stays within the budget however large a tensor is. Written atomically like
+stays within the budget however large a tensor is; buffers and frozen
+parameters from their own whole copy (integer ones keep their dtype). Written atomically like
 everything else: a hidden directory next to OUT, renamed when complete.
 """
 
@@ -25,10 +26,10 @@ import torch
 from hfsdp.ckpt.build import Progress, slice_bytes
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import model_order
-from hfsdp.ckpt.index import MAIN, read_index
+from hfsdp.ckpt.index import MAIN, UNSHARDED, read_index
 from hfsdp.ckpt.reader import CheckpointReader
 from hfsdp.ckpt.store import check_files, ensure_absent, resolve, staged_dir
-from hfsdp.ckpt.writer import TensorFileWriter, dtype_name
+from hfsdp.ckpt.writer import TensorFileWriter, dtype_name, torch_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,24 +65,24 @@ def export(
         raise CheckpointError(f"The checkpoint {src_dir} holds no main weights; it cannot be exported.")
     piece = slice_bytes(memory_budget_bytes, io_threads)
     check_files(src_dir, index, threads=io_threads, chunk=min(8 << 20, piece))
-    tensors = model_order(index)
-    shards = _split(tensors, target.itemsize, max_shard_bytes)
+    tensors = [_exported(index, name, shape, target) for name, shape in model_order(index)]
+    shards = _split(tensors, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    total = sum(math.prod(shape) for _, shape in tensors) * target.itemsize
-    chunk_elems = piece // (4 + target.itemsize)  # an fp32 chunk and its cast copy
+    total = sum(t.nbytes for t in tensors)
+    chunk_elems = piece // (8 + target.itemsize)  # a source chunk (8-byte elements at most) and its cast copy
     done, lock = [0], threading.Lock()
 
     def write_shard(job, tmp: Path) -> None:
         file, members = job
-        entries = [(name, dtype_name(target), shape) for name, shape in members]
+        entries = [(t.name, dtype_name(t.dtype), t.shape) for t in members]
         writer = TensorFileWriter(tmp / file, entries, metadata={"format": "pt"})
         try:
-            with CheckpointReader(src_dir, index, max_mapped_bytes=chunk_elems * 4) as reader:
-                for name, shape in members:
-                    for chunk in reader.chunks(MAIN, name, 0, math.prod(shape), chunk_elems):
-                        writer.write(chunk.to(target))
+            with CheckpointReader(src_dir, index, max_mapped_bytes=chunk_elems * 8) as reader:
+                for t in members:
+                    for chunk in reader.chunks(t.kind, t.name, 0, math.prod(t.shape), chunk_elems):
+                        writer.write(chunk.to(t.dtype))
                         with lock:
-                            done[0] += chunk.numel() * target.itemsize
+                            done[0] += chunk.numel() * t.dtype.itemsize
                             if progress is not None:
                                 progress(done[0], total)
             writer.finish()
@@ -92,7 +93,7 @@ def export(
     with staged_dir(out, "export") as tmp:
         with ThreadPoolExecutor(max(1, io_threads)) as pool:
             list(pool.map(lambda job: write_shard(job, tmp), zip(names, shards, strict=True)))
-        weight_map = {name: file for file, members in zip(names, shards, strict=True) for name, _ in members}
+        weight_map = {t.name: file for file, members in zip(names, shards, strict=True) for t in members}
         with open(tmp / INDEX_FILE, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             f.flush()
@@ -108,15 +109,37 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _split(tensors, itemsize: int, max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+@dataclass(frozen=True)
+class _Exported:
+    """One tensor of the export: where it comes from (a kind of the checkpoint) and what it is written as."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _exported(index, name: str, shape: tuple[int, ...], target: torch.dtype) -> _Exported:
+    """Parameters come from the fp32 main weights, cast to `target`; unsharded module tensors from their own
+    copy, floating ones cast to `target` and the others (counters, masks) kept as they are."""
+    if name not in index.unsharded:
+        return _Exported(name, shape, MAIN, target)
+    own = torch_dtype(index.unsharded[name].dtype)
+    return _Exported(name, shape, UNSHARDED, target if own.is_floating_point else own)
+
+
+def _split(tensors: list[_Exported], max_shard_bytes: int) -> list[list[_Exported]]:
     """Consecutive tensors per file, each file at most `max_shard_bytes` unless one tensor alone is larger."""
     shards: list[list] = [[]]
     size = 0
-    for name, shape in tensors:
-        nbytes = math.prod(shape) * itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
+        shards[-1].append(tensor)
+        size += tensor.nbytes
     return shards

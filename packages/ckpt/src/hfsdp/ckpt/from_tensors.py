@@ -15,7 +15,7 @@ import torch
 
 from hfsdp.ckpt.build import MemorySource, write_index, write_layout
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.index import MAIN, CheckpointIndex, GroupSpec, meshes_of
+from hfsdp.ckpt.index import MAIN, UNSHARDED, CheckpointIndex, GroupSpec, TensorEntry, meshes_of
 from hfsdp.ckpt.store import ensure_absent, staged_dir
 from hfsdp.ckpt.writer import dtype_name
 from hfsdp.core.config import LayoutConfig
@@ -30,13 +30,17 @@ def write_from_tensors(
     step: int = 0,
     extra: dict[str, Any] | None = None,
     optimizer: dict[str, Any] | None = None,
+    unsharded: dict[str, torch.Tensor] | None = None,
+    order: list[str] | None = None,
     io_threads: int = 4,
 ) -> Path:
     """Write `tensors` (kind -> global name -> full tensor) as the checkpoint directory `dst` of layout `cfg`.
 
     `groups` is the structure of layout `cfg` (expert groups per ep rank);
     `optimizer` the index's optimizer record ({"type", "step_count", "hyper",
-    "states"}), or None for weights only.
+    "states"}), or None for weights only; `unsharded` the module's tensors the
+    engine does not shard (persistent buffers, frozen parameters) by global
+    name; `order` every global name in the consolidated model's state-dict order.
     """
     dst = Path(dst)
     ensure_absent(dst, "writing a checkpoint")
@@ -51,9 +55,15 @@ def write_from_tensors(
     if MAIN not in tensors:
         raise CheckpointError("A checkpoint needs the fp32 'main' weights; pass them under tensors['main'].")
     dtypes = {(k, n): dtype_name(t.dtype) for k, entries in tensors.items() for n, t in entries.items()}
+    unsharded = unsharded or {}
+    specs = {name: TensorEntry(tuple(t.shape), dtype_name(t.dtype)) for name, t in unsharded.items()}
+    in_memory = {k: {n: t.detach().cpu().contiguous() for n, t in e.items()} for k, e in tensors.items()}
+    in_memory[UNSHARDED] = {n: t.detach().cpu().contiguous() for n, t in unsharded.items()}
     with staged_dir(dst, "write") as tmp:
-        source = MemorySource({k: {n: t.detach().cpu().contiguous() for n, t in e.items()} for k, e in tensors.items()})
-        written, files = write_layout(tmp, cfg, groups, list(tensors), dtypes, lambda: source, io_threads=io_threads)
+        source = MemorySource(in_memory)
+        written, written_unsharded, files = write_layout(
+            tmp, cfg, groups, list(tensors), dtypes, lambda: source, unsharded=specs, io_threads=io_threads
+        )
         index = CheckpointIndex(
             step=step,
             layout=cfg.to_dict(),
@@ -63,6 +73,8 @@ def write_from_tensors(
             groups=list(groups),
             tensors=written,
             files=files,
+            order=list(order or []),
+            unsharded=written_unsharded,
         )
         write_index(tmp, index)
     return dst

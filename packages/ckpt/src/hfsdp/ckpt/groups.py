@@ -123,12 +123,15 @@ def merged_order(per_ep_rank: list[list[str]]) -> list[str]:
 
 
 def model_order(index) -> list[tuple[str, tuple[int, ...]]]:
-    """Every parameter (global name, shape) in the order of the consolidated (ep = 1) model.
+    """Every tensor (global name, shape) in the state-dict order of the consolidated (ep = 1) model.
 
-    The index records that order when the save knew it (the module's own order);
-    otherwise the group order is the best guess (units first, the root's last).
+    The index records that order when the save knew it; otherwise the group
+    order is the best guess (units first, the root's last), then the unsharded
+    module tensors.
     """
     shapes = {n: s for g in index.groups for n, s in g.members}
+    shapes.update((n, tuple(t.shape)) for n, t in index.unsharded.items())
     if index.order and set(index.order) == set(shapes):
         return [(n, shapes[n]) for n in index.order]
-    return [m for g in retarget_groups(index.groups, index.layout.get("num_moe_experts"), 1) for m in g.members]
+    grouped = [m for g in retarget_groups(index.groups, index.layout.get("num_moe_experts"), 1) for m in g.members]
+    return grouped + [(n, tuple(t.shape)) for n, t in index.unsharded.items()]

@@ -24,12 +24,15 @@ from hfsdp.ckpt.checksum import split
 from hfsdp.ckpt.errors import CheckpointError
 
 FORMAT = "hfsdp-checkpoint"
-#: Version 2 records "<algorithm>:<hex>" checksums; version 1 (hfsdp 0.1) recorded bare sha256 digests.
+#: Version 2 records "<algorithm>:<hex>" checksums and the unsharded module tensors; version 1 (hfsdp 0.1)
+#: recorded bare sha256 digests and no unsharded tensors.
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 INDEX_NAME = "index.json"
 #: State kinds every checkpoint has; optimizer states come on top.
 MODEL, MAIN = "model", "main"
+#: The module's tensors the engine does not shard (persistent buffers, frozen parameters), stored whole.
+UNSHARDED = "unsharded"
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,12 @@ class CheckpointIndex:
     tensors: dict[str, dict[str, TensorEntry]]
     files: dict[str, FileEntry]
     rng: dict[str, dict[str, Any]] = field(default_factory=dict)  # str(rank) -> {"file", "keys", "python"}
-    order: list[str] = field(default_factory=list)  # global names in the module order of the ep = 1 model
+    order: list[str] = field(default_factory=list)  # global names in the state-dict order of the ep = 1 model
+    unsharded: dict[str, TensorEntry] = field(default_factory=dict)  # global name -> whole tensor, one piece
+
+    def entries(self, kind: str) -> dict[str, TensorEntry]:
+        """The tensors of one state kind, or the unsharded module tensors for UNSHARDED."""
+        return self.unsharded if kind == UNSHARDED else self.tensors[kind]
 
     @property
     def kinds(self) -> list[str]:
@@ -133,17 +141,8 @@ class CheckpointIndex:
                 }
                 for g in self.groups
             ],
-            "tensors": {
-                kind: {
-                    name: {
-                        "shape": list(t.shape),
-                        "dtype": t.dtype,
-                        "pieces": [[p.file, p.key, p.start, p.stop] for p in t.pieces],
-                    }
-                    for name, t in entries.items()
-                }
-                for kind, entries in self.tensors.items()
-            },
+            "tensors": {kind: _entries_json(entries) for kind, entries in self.tensors.items()},
+            "unsharded": _entries_json(self.unsharded),
             "files": {name: {"checksum": f.checksum, "bytes": f.bytes} for name, f in self.files.items()},
         }
 
@@ -180,17 +179,7 @@ def _parse(data: dict[str, Any]) -> CheckpointIndex:
         )
         for g in data["groups"]
     ]
-    tensors = {
-        str(kind): {
-            str(name): TensorEntry(
-                tuple(int(s) for s in t["shape"]),
-                str(t["dtype"]),
-                [Piece(str(f), str(k), int(a), int(b)) for f, k, a, b in t["pieces"]],
-            )
-            for name, t in entries.items()
-        }
-        for kind, entries in data["tensors"].items()
-    }
+    tensors = {str(kind): _parse_entries(entries) for kind, entries in data["tensors"].items()}
     files = {str(n): _file_entry(f, version) for n, f in data["files"].items()}
     return CheckpointIndex(
         step=int(data["step"]),
@@ -203,7 +192,26 @@ def _parse(data: dict[str, Any]) -> CheckpointIndex:
         files=files,
         rng=dict(data.get("rng") or {}),
         order=[str(n) for n in data.get("order") or []],
+        unsharded=_parse_entries(data.get("unsharded") or {}),
     )
+
+
+def _entries_json(entries: dict[str, TensorEntry]) -> dict[str, Any]:
+    return {
+        name: {"shape": list(t.shape), "dtype": t.dtype, "pieces": [[p.file, p.key, p.start, p.stop] for p in t.pieces]}
+        for name, t in entries.items()
+    }
+
+
+def _parse_entries(data: dict[str, Any]) -> dict[str, TensorEntry]:
+    return {
+        str(name): TensorEntry(
+            tuple(int(s) for s in t["shape"]),
+            str(t["dtype"]),
+            [Piece(str(f), str(k), int(a), int(b)) for f, k, a, b in t["pieces"]],
+        )
+        for name, t in data.items()
+    }
 
 
 def _file_entry(data: dict[str, Any], version: int) -> FileEntry:

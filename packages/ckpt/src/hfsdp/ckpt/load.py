@@ -7,7 +7,8 @@ the offline reshard's (`pieces.py`). Experts are looked up by global name, so ep
 may change. The compute-dtype weights are not read: they are re-derived from
 the fp32 main weights with `publish_main_weights`, exactly as after an optimizer
 step, so parameters and main weights always agree and a same-layout resume is
-bit-identical.
+bit-identical. The module's unsharded tensors (persistent buffers, frozen
+parameters) are read whole and copied into the module on every rank.
 
 Every check that can fail does so on all ranks together (the checks run on
 gathered data, and read errors are exchanged before the first collective of
@@ -26,11 +27,12 @@ import torch.distributed as dist
 
 from hfsdp.ckpt.agree import agree
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.index import MAIN, MODEL, CheckpointIndex, read_index
-from hfsdp.ckpt.model_state import buffers, check_optimizer, local_groups, restore_optimizer
+from hfsdp.ckpt.index import MAIN, MODEL, UNSHARDED, CheckpointIndex, read_index
+from hfsdp.ckpt.model_state import buffers, check_optimizer, local_groups, restore_optimizer, unsharded_state
 from hfsdp.ckpt.pieces import intersect
 from hfsdp.ckpt.reader import CheckpointReader
 from hfsdp.ckpt.store import check_files, check_sizes, resolve
+from hfsdp.ckpt.writer import torch_dtype
 
 
 def load_checkpoint(
@@ -46,12 +48,18 @@ def load_checkpoint(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_dir, index = agree(lambda: _open(path))
-    mine = agree(lambda: [m for g in local_groups(model, rank) for m in g.members])
+    module_tensors = unsharded_state(model)
+    mine = agree(lambda: ([m for g in local_groups(model, rank) for m in g.members], _shapes(module_tensors)))
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
-    agree(lambda: _check_model(ckpt_dir, index, gathered, optimizer))
+    agree(lambda: _check_model(ckpt_dir, index, [g[0] for g in gathered], optimizer))
+    agree(lambda: _check_unsharded(ckpt_dir, index, [g[1] for g in gathered]))
     rng = index.rng.get(str(rank)) if restore_rng and int(index.layout.get("world_size", -1)) == world else None
-    agree(lambda: _read_states(ckpt_dir, index, model, optimizer, rng["file"] if rng else None, verify_checksums))
+    agree(
+        lambda: _read_states(
+            ckpt_dir, index, model, optimizer, module_tensors, rng["file"] if rng else None, verify_checksums
+        )
+    )
 
     for group in model.groups:  # collective: every rank, every group, model order
         group.publish_main_weights()
@@ -105,8 +113,42 @@ def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered, optimizer) ->
                 )
 
 
-def _read_states(ckpt_dir: Path, index: CheckpointIndex, model, optimizer, rng_file: str | None, checksums: bool):
-    """Fill main weights and optimizer states of this rank's optimizer ranges, verifying the files read.
+def _shapes(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(t.shape)) for name, t in tensors.items()]
+
+
+def _check_unsharded(ckpt_dir: Path, index: CheckpointIndex, gathered) -> None:
+    """The model's buffers and frozen parameters (over all ranks) are exactly the checkpoint's, shapes included."""
+    model_shapes = {name: shape for members in gathered for name, shape in members}
+    saved = {name: tuple(entry.shape) for name, entry in index.unsharded.items()}
+    hint = "it is a checkpoint of another model. Load it into the model that saved it."
+    for name in sorted(set(model_shapes) | set(saved)):
+        if name not in saved:
+            raise CheckpointError(
+                f"The checkpoint {ckpt_dir} has no buffer or frozen parameter '{name}' of the model; " + hint
+            )
+        if name not in model_shapes:
+            raise CheckpointError(
+                f"The checkpoint {ckpt_dir} has buffer or frozen parameter '{name}', which the model lacks; " + hint
+            )
+        if saved[name] != model_shapes[name]:
+            raise CheckpointError(
+                f"Buffer or frozen parameter '{name}' has shape {list(model_shapes[name])} in the model but "
+                f"{list(saved[name])} in the checkpoint {ckpt_dir}; " + hint
+            )
+
+
+def _read_states(
+    ckpt_dir: Path,
+    index: CheckpointIndex,
+    model,
+    optimizer,
+    module_tensors: dict[str, torch.Tensor],
+    rng_file: str | None,
+    checksums: bool,
+):
+    """Fill main weights and optimizer states of this rank's optimizer ranges, and the module's unsharded
+    tensors, verifying the files read.
 
     Every file is checksummed and every piece located before the first buffer is
     touched, so a damaged checkpoint is refused without clobbering the model.
@@ -122,6 +164,8 @@ def _read_states(ckpt_dir: Path, index: CheckpointIndex, model, optimizer, rng_f
                 if hit is not None:
                     name = model.global_name(group, slot.name)
                     plan.append((kind, name, hit[0] - slot.offset, buf[hit[0] - base : hit[1] - base]))
+    for name, tensor in module_tensors.items():
+        plan.append((UNSHARDED, name, 0, torch.empty(tensor.numel(), dtype=torch_dtype(index.unsharded[name].dtype))))
     reader = CheckpointReader(ckpt_dir, index)
     files = {rng_file} if rng_file else set()
     for kind, name, start, out in plan:
@@ -139,6 +183,8 @@ def _read_states(ckpt_dir: Path, index: CheckpointIndex, model, optimizer, rng_f
                     buf.zero_()  # padding stays zero
         for kind, name, start, out in plan:
             reader.read_into(kind, name, start, out)
+            if kind == UNSHARDED:
+                module_tensors[name].copy_(out.view(module_tensors[name].shape))
 
 
 def _restore_rng(ckpt_dir: Path, meta: dict) -> None:

@@ -2,8 +2,8 @@
 
 This is the only module that knows the engine's objects: every group as a
 `GroupSpec` under global names, the flat buffer of each state kind with the
-flat range it starts at, and the optimizer's hyper-parameters. Save and load
-speak to the engine only through it.
+flat range it starts at, the module tensors the engine leaves alone, and the
+optimizer's hyper-parameters. Save and load speak to the engine only through it.
 """
 
 from __future__ import annotations
@@ -42,9 +42,37 @@ def local_groups(model, rank: int) -> list[GroupSpec]:
 
 
 def local_order(model) -> list[str]:
-    """Global names of this rank's sharded parameters in the module's own order."""
+    """Global names of this rank's parameters and unsharded tensors in the module's state-dict order."""
     names = {s.name: model.global_name(g, s.name) for g in model.groups for s in g.slots}
-    return [names[n] for n, _ in model.module.named_parameters() if n in names]
+    unsharded = dict(_unsharded_items(model))
+    return [
+        names.get(n) or unsharded[n][0] for n in model.module.state_dict(keep_vars=True) if n in names or n in unsharded
+    ]
+
+
+def unsharded_state(model) -> dict[str, torch.Tensor]:
+    """The module's tensors the engine does not shard, by global name: the module's own tensor objects.
+
+    These are the entries of `state_dict()` that are not sharded parameters:
+    persistent buffers (running statistics, counters) and frozen parameters.
+    The engine keeps them whole on every rank, so they are checkpointed whole;
+    dense ones are assumed equal on every rank (rank 0's are saved), expert ones
+    equal within an expert-parallel rank's replicas. Non-tensor extra state is
+    not saved.
+    """
+    return dict(_unsharded_items(model).values())
+
+
+def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """local state-dict name -> (global name, tensor) of every unsharded tensor."""
+    sharded = {s.name for g in model.groups for s in g.slots}
+    naming = model.expert_naming
+    out = {}
+    for name, value in model.module.state_dict(keep_vars=True).items():
+        if name in sharded or not isinstance(value, torch.Tensor):
+            continue
+        out[name] = (naming.to_global(name) if naming is not None else name, value)
+    return out
 
 
 def state_kinds(optimizer) -> list[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from hfsdp.ckpt.index import GroupSpec
 from hfsdp.core.config import LayoutConfig
+from hfsdp.core.expert_naming import expert_index
 from hfsdp.core.layout import MeshLayout, dense_layout, expert_layout
 from hfsdp.core.placement import State
 
@@ -96,6 +97,19 @@ def plan_writes(cfg: LayoutConfig, groups: list[GroupSpec]) -> dict[int, list[Wr
                 plan[writer].append(item)
                 load[writer] += item.numel
     return plan
+
+
+def unsharded_owner(cfg: LayoutConfig, name: str) -> int:
+    """The rank whose file holds the unsharded module tensor `name` (a global name).
+
+    A dense tensor is the same on every rank, and rank 0 writes it. An expert's
+    tensor lives on the ranks of the expert-parallel rank that owns the expert
+    (ranks r with r % ep = e); rank e, the first of them, writes it.
+    """
+    index = expert_index(name)
+    if index is None or cfg.ep == 1 or not cfg.num_moe_experts:
+        return 0
+    return index // (cfg.num_moe_experts // cfg.ep)
 
 
 def file_name(rank: int) -> str:

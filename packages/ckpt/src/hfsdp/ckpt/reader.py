@@ -35,7 +35,7 @@ class CheckpointReader:
 
     def entry(self, kind: str, name: str):
         try:
-            return self.index.tensors[kind][name]
+            return self.index.entries(kind)[name]
         except KeyError:
             raise CheckpointError(
                 f"The checkpoint {self.dir} has no '{kind}' tensor '{name}'; it is a checkpoint of another model "

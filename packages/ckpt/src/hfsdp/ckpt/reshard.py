@@ -59,7 +59,7 @@ def reshard(
     groups = retarget_groups(index.groups, index.layout.get("num_moe_experts"), target.ep)
 
     with staged_dir(dst, "reshard") as tmp:
-        tensors, files = write_layout(
+        tensors, unsharded, files = write_layout(
             tmp,
             target,
             groups,
@@ -67,6 +67,7 @@ def reshard(
             {(k, n): t.dtype for k, entries in index.tensors.items() for n, t in entries.items()},
             lambda: CheckpointReader(src_dir, index, max_mapped_bytes=piece),
             rng=_same_rank_rng(src_dir, index, target),
+            unsharded=index.unsharded,
             io_threads=io_threads,
             memory_budget_bytes=memory_budget_bytes,
             progress=progress,
@@ -83,6 +84,7 @@ def reshard(
             files=files,
             rng=dict(index.rng) if index.layout.get("world_size") == target.world_size else {},
             order=list(index.order),
+            unsharded=unsharded,
         )
         write_index(tmp, out)
     total = sum(f.bytes for f in files.values())

@@ -4,7 +4,9 @@
    plan the writes: each piece of each parameter is written once, by one of the
    replicas that hold it (`pieces.plan_writes`).
 2. Rank 0 makes `ROOT/.tmp-step-N-<nonce>/`; each rank streams its pieces of
-   every state kind, and its RNG state, into `rank-XXXXX.safetensors`, fsyncs.
+   every state kind, the unsharded module tensors it owns (buffers, frozen
+   parameters: rank 0 the dense ones) and its RNG state into
+   `rank-XXXXX.safetensors`, fsyncs.
 3. Ranks exchange checksums (or errors). Rank 0 writes `index.json`, fsyncs,
    renames the directory to `ROOT/step-N/`, then replaces `ROOT/latest`.
 4. Rank 0 tells everyone how it went, so every rank returns or raises together.
@@ -24,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from hfsdp.ckpt.agree import agree
-from hfsdp.ckpt.build import file_entries, index_tensors, write_index
+from hfsdp.ckpt.build import file_entries, index_tensors, index_unsharded, plan_unsharded, write_index
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import canonical_groups, merged_order
-from hfsdp.ckpt.index import INDEX_NAME, MODEL, CheckpointIndex, meshes_of
-from hfsdp.ckpt.model_state import buffers, local_groups, local_order, optimizer_meta, state_kinds
-from hfsdp.ckpt.pieces import file_name, plan_writes
+from hfsdp.ckpt.index import INDEX_NAME, MODEL, CheckpointIndex, TensorEntry, meshes_of
+from hfsdp.ckpt.model_state import buffers, local_groups, local_order, optimizer_meta, state_kinds, unsharded_state
+from hfsdp.ckpt.pieces import file_name, plan_writes, unsharded_owner
 from hfsdp.ckpt.store import TMP_PREFIX, atomic_write_text, publish_dir, remove_quietly, step_dir_name
 from hfsdp.ckpt.writer import TensorFileWriter, dtype_name
 
@@ -45,11 +47,12 @@ def save_checkpoint(
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
     final = root / step_dir_name(step)
-    mine = agree(lambda: (local_groups(model, rank), local_order(model)))
+    mine = agree(lambda: (local_groups(model, rank), local_order(model), _specs(unsharded_state(model))))
     reports = [None] * world
     dist.all_gather_object(reports, mine)
     groups = canonical_groups([r[0] for r in reports], model.config.ep)
     order = merged_order([reports[e][1] for e in range(model.config.ep)])
+    unsharded = agree(lambda: _unsharded_specs(model.config, [r[2] for r in reports]))
     plan = plan_writes(model.config, groups)
     kinds = state_kinds(optimizer)
     dtypes = agree(lambda: _dtypes(model, optimizer, groups))
@@ -62,7 +65,8 @@ def save_checkpoint(
 
     rng = _rng_tensors() if save_rng else {}
     try:
-        result: Any = _write_rank_file(tmp, model, optimizer, rank, plan[rank], kinds, dtypes, rng)
+        owned = plan_unsharded(model.config, unsharded).get(rank, {})
+        result: Any = _write_rank_file(tmp, model, optimizer, rank, plan[rank], kinds, dtypes, rng, owned)
     except (OSError, CheckpointError) as err:
         result = CheckpointError(f"Rank {rank} could not write its file in {tmp}: {err}")
     results = [None] * world
@@ -80,6 +84,7 @@ def save_checkpoint(
             tensors={},
             files={},
             order=order,
+            unsharded=index_unsharded(model.config, unsharded),
         )
         status[0] = _publish(root, tmp, final, index, (plan, kinds, dtypes), results)
     dist.broadcast_object_list(status, src=0)
@@ -128,9 +133,36 @@ def _dtypes(model, optimizer, groups) -> dict[tuple[str, str], str]:
     return out
 
 
-def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng) -> dict[str, Any] | None:
-    """Stream this rank's planned pieces of every kind, then its RNG state; return the file's metadata."""
-    entries = file_entries(items, kinds, dtypes, rng)
+def _specs(tensors: dict[str, torch.Tensor]) -> dict[str, TensorEntry]:
+    return {name: TensorEntry(tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()}
+
+
+def _unsharded_specs(cfg, reports: list[dict[str, TensorEntry]]) -> dict[str, TensorEntry]:
+    """Every rank's unsharded tensors merged; the rank that writes each one must hold it, all with one shape."""
+    merged: dict[str, TensorEntry] = {}
+    for rank, specs in enumerate(reports):
+        for name, spec in specs.items():
+            seen = merged.setdefault(name, spec)
+            if (seen.shape, seen.dtype) != (spec.shape, spec.dtype):
+                raise CheckpointError(
+                    f"The module tensor '{name}' (a buffer or frozen parameter) is {seen.dtype} {list(seen.shape)} "
+                    f"on one rank but {spec.dtype} {list(spec.shape)} on rank {rank}; every rank must build the same "
+                    "model. Fix the model construction so all ranks agree."
+                )
+    for name in merged:
+        owner = unsharded_owner(cfg, name)
+        if name not in reports[owner]:
+            raise CheckpointError(
+                f"The module tensor '{name}' (a buffer or frozen parameter) exists on some ranks but not on rank "
+                f"{owner}, which saves it; every rank must build the same model (experts: every rank of an "
+                "expert-parallel rank). Fix the model construction so all ranks agree."
+            )
+    return merged
+
+
+def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, owned) -> dict[str, Any] | None:
+    """Stream this rank's planned pieces of every kind, the unsharded tensors it owns, then its RNG state."""
+    entries = file_entries(items, kinds, dtypes, rng, owned)
     if not entries:
         return None
     local = {}  # global name -> (group index, flat offset of the member)
@@ -144,6 +176,9 @@ def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng) -> 
                 gi, offset = local[it.name]
                 buf, base = buffers(model, optimizer, gi)[kind]
                 writer.write(buf[offset + it.start - base : offset + it.stop - base])
+        module_tensors = unsharded_state(model)
+        for name in owned:
+            writer.write(module_tensors[name].detach())
         for tensor in rng.values():
             writer.write(tensor)
         entry = writer.finish()

@@ -204,6 +204,11 @@ def _print_inspect(info: dict[str, Any]) -> None:
     for t in info["tensors"]:
         dtypes = ", ".join(f"{k}={v}" for k, v in t["dtypes"].items())
         say(f"  {t['name'].ljust(width)}  {t['shape']!s:<14} {t['bytes']:>12,} B  {dtypes}")
+    if info["unsharded"]:
+        say(f"{len(info['unsharded'])} unsharded module tensors (buffers, frozen parameters):")
+        width = max(len(t["name"]) for t in info["unsharded"])
+        for t in info["unsharded"]:
+            say(f"  {t['name'].ljust(width)}  {t['shape']!s:<14} {t['bytes']:>12,} B  {t['dtype']}")
     say(f"{len(info['files'])} files, {info['total_bytes']:,} bytes:")
     for f in info["files"]:
         say(f"  {f['name']}  {f['bytes']:>12,}  {short(f['checksum'])}")
