@@ -453,8 +453,7 @@ def install_phase_timers(timers: CallTimers) -> None:
 
     timers.wrap(FlatParamGroup, "start_unshard", "hfsdp::start_unshard (all-gather)")
     timers.wrap(FlatParamGroup, "unshard", "hfsdp::unshard (all-gather)")
-    timers.wrap(FlatParamGroup, "accumulate_grads", "hfsdp::accumulate_grads (copy-in, reduce-scatter)")
-    timers.wrap(FlatParamGroup, "finish_reduction", "hfsdp::finish_reduction (outer)")
+    timers.wrap(FlatParamGroup, "accumulate_grads", "hfsdp::accumulate_grads (copy-in, reductions)")
     timers.wrap(FlatParamGroup, "publish_main_weights", "hfsdp::publish_main_weights (cast, gather)")
     timers.wrap(ShardedUnit, "_pre_forward", "hfsdp::pre_forward hook", family="hfsdp-hook")
     timers.wrap(ShardedUnit, "_post_forward", "hfsdp::post_forward hook", family="hfsdp-hook")

@@ -49,6 +49,36 @@ def _traced_training(rank, world):
             opt.step()
             opt.zero_grad()
         out[name] = {"losses": losses, "trace": streams.trace}
+    out["outer issued before unit"] = _outer_reductions_during_backward(world)
+    return out
+
+
+def _outer_reductions_during_backward(world):
+    """HSDP and HFSDP 2x2, last microbatch: how many outer-axis reductions were issued when each unit's backward
+    began, and how many in all."""
+    from hfsdp.core.collectives import record_comms
+    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.mesh import build_meshes
+    from hfsdp.core.sharded_model import fully_shard
+    from hfsdp.core.streams import TracingStreams
+
+    from toy_models import make_toy, microbatch
+
+    out = {}
+    for name, kw in {"HSDP 2x2": dict(instances=2), "HFSDP 2x2": dict(instances=2, outer="optim")}.items():
+        cfg = LayoutConfig(world_size=world, **kw)
+        model = make_toy()
+        sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), streams=TracingStreams())
+        seen = {}
+        with record_comms() as log:
+            for index, layer in enumerate(model.layers):
+                layer.register_full_backward_pre_hook(
+                    lambda *_, i=index, seen=seen: seen.__setitem__(i, log.count(axis="dp_outer"))
+                )
+            for index in range(MICROBATCHES):
+                sharded.set_microbatch(index, MICROBATCHES)
+                sharded(*microbatch(0, index, MICROBATCHES, 0, world)).backward()
+        out[name] = {"at unit": seen, "total": log.count(axis="dp_outer")}
     return out
 
 
@@ -114,3 +144,13 @@ def test_reductions_are_released_before_backward_returns(traced, name):
         elif op == "backward_done":
             assert set(_recorded(trace[:position], "reduce")) <= waited
     assert reductions > 0
+
+
+@pytest.mark.parametrize("name", ["HSDP 2x2", "HFSDP 2x2"])
+def test_outer_reductions_overlap_the_backward_of_earlier_units(traced, name):
+    """On the last microbatch each unit's once-per-step outer reduction is issued as soon as its gradients are
+    reduced over the inner axis, while earlier units still run backward: by the time unit 0's backward starts,
+    units 2 and 1 have issued theirs. Only the last microbatch reduces over the outer axis (one per group)."""
+    result = traced["outer issued before unit"][name]
+    assert result["at unit"][2] == 0 and result["at unit"][0] == 2
+    assert result["total"] == 4  # three units and the root, each one group

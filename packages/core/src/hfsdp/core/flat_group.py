@@ -176,36 +176,81 @@ class FlatParamGroup:
             self._grad_buffer = torch.zeros(length, dtype=self.reduce_dtype, device=self.device)
         return self._grad_buffer
 
-    def accumulate_grads(self, scale: float) -> None:
+    def accumulate_grads(self, scale: float, last: bool = True) -> None:
         """Move this microbatch's parameter grads into the flat buffers, scaled once, and reduce.
 
         Reduce-scatters over the inner axis where gradients are sharded (every
-        microbatch, on the reduce stream); elsewhere gradients accumulate
-        unreduced until `finish_reduction`.
+        microbatch); elsewhere gradients accumulate unreduced. On the `last`
+        microbatch of the step the once-per-step reductions over the remaining
+        axes follow straight away (inner first), so that an HSDP all-reduce or
+        an HFSDP outer reduce-scatter overlaps the backward of earlier units
+        instead of running after the whole backward. Everything runs on the
+        reduce stream; `release_reduction` makes compute wait for it.
         """
-        if not self.plan.microbatch_reduce:
-            self._fill(self.grad_buffer, scale, accumulate=True)
-            self.grads_pending = True
-            return
         self.release_reduction()
-        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
-        flat[self.numel :].zero_()
-        self._fill(flat, scale, accumulate=False)
-        first = self._grad_buffer is None
-        if first:  # the first microbatch reduce-scatters straight into a fresh buffer
-            length = self.grad_range[1] - self.grad_range[0]
-            self._grad_buffer = torch.empty(length, dtype=self.reduce_dtype, device=self.device)
-        buffer = self._grad_buffer  # allocated on the compute stream, before the event below
-        filled = self.streams.record("compute")
-        (k,) = self.plan.microbatch_reduce
+        inputs: list[torch.Tensor] = []
+        microbatch = None
+        if self.plan.microbatch_reduce:
+            flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
+            flat[self.numel :].zero_()
+            self._fill(flat, scale, accumulate=False)
+            first = self._grad_buffer is None
+            if first:  # the first microbatch reduce-scatters straight into a fresh buffer
+                length = self.grad_range[1] - self.grad_range[0]
+                self._grad_buffer = torch.empty(length, dtype=self.reduce_dtype, device=self.device)
+            reduced = self._grad_buffer if first else torch.empty_like(self._grad_buffer)
+            microbatch = (flat, reduced, first)
+            inputs += [flat, reduced]
+        else:
+            self._fill(self.grad_buffer, scale, accumulate=True)
+        self.grads_pending = True
+        steps = self._final_steps() if last else []
+        if microbatch is None and not steps:
+            return
+        buffer = self._grad_buffer
+        filled = self.streams.record("compute")  # after every allocation above: the reduce stream may write them
         with self.streams.side("reduce"):
             self.streams.wait("reduce", filled)
-            reduced = buffer if first else torch.empty_like(buffer)
-            comm.reduce_scatter(reduced, flat, self._group(k), self._name(k))
-            if not first:
-                buffer.add_(reduced)
-            self._reduction_in_flight = (self.streams.record("reduce"), flat, reduced)
-        self.grads_pending = True
+            if microbatch is not None:
+                flat, reduced, first = microbatch
+                (k,) = self.plan.microbatch_reduce
+                comm.reduce_scatter(reduced, flat, self._group(k), self._name(k))
+                if not first:
+                    buffer.add_(reduced)
+            for k, view, out, target in steps:
+                if out is None:
+                    comm.all_reduce(view, self._group(k), self._name(k))
+                else:
+                    comm.reduce_scatter(out, view, self._group(k), self._name(k))
+                    target.copy_(out)
+                    inputs.append(out)
+            self._reduction_in_flight = (self.streams.record("reduce"), *inputs)
+        if last:
+            self.grads_pending = False
+
+    def _final_steps(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """The once-per-step reductions as (axis, input view, output or None for all-reduce, copy target).
+
+        Outputs are allocated here, on the compute stream, before the reduce
+        stream is allowed to run. Each reduce-scatter narrows the buffer range
+        that holds this rank's gradient; the last one ends on the optimizer range.
+        """
+        lo, hi = self.grad_range
+        current = (lo, hi)
+        sharded = list(self.plan.microbatch_reduce)
+        steps = []
+        for k, op in self.plan.final_reduce:
+            view = self.grad_buffer[current[0] - lo : current[1] - lo]
+            if op == "all_reduce":
+                steps.append((k, view, None, None))
+                continue
+            sharded.append(k)
+            start, stop = self.layout.range_over(tuple(sharded), self.coord, self.padded)
+            out = torch.empty(stop - start, dtype=view.dtype, device=view.device)
+            steps.append((k, view, out, self.grad_buffer[start - lo : stop - lo]))
+            current = (start, stop)
+        assert current == self.optim_range, f"reduction ends on {current}, optimizer owns {self.optim_range}"
+        return steps
 
     def release_reduction(self) -> None:
         """Make compute wait for this group's in-flight reduction, then drop the buffers it reads."""
@@ -228,26 +273,6 @@ class FlatParamGroup:
             else:  # upcast first, so the scaling happens in the reduction dtype
                 view.copy_(grad.reshape(-1)).mul_(scale)
             slot.param.grad = None
-
-    def finish_reduction(self) -> None:
-        """Reduce the accumulated gradients over the remaining axes (inner first), once per step."""
-        self.release_reduction()
-        lo, hi = self.grad_range
-        current = (lo, hi)
-        sharded = list(self.plan.microbatch_reduce)
-        for k, op in self.plan.final_reduce:
-            view = self.grad_buffer[current[0] - lo : current[1] - lo]
-            if op == "all_reduce":
-                comm.all_reduce(view, self._group(k), self._name(k))
-                continue
-            sharded.append(k)
-            start, stop = self.layout.range_over(tuple(sharded), self.coord, self.padded)
-            out = torch.empty(stop - start, dtype=view.dtype, device=view.device)
-            comm.reduce_scatter(out, view, self._group(k), self._name(k))
-            self.grad_buffer[start - lo : stop - lo].copy_(out)
-            current = (start, stop)
-        assert current == self.optim_range, f"reduction ended on {current}, optimizer owns {self.optim_range}"
-        self.grads_pending = False
 
     @property
     def main_grad(self) -> torch.Tensor:

@@ -72,6 +72,7 @@ class ShardedModel(nn.Module):
                     groups,
                     is_root=unit_module is module,
                     grad_scale=self._grad_scale,
+                    is_last_microbatch=lambda: self._is_last,
                     on_backward=self._queue_end_of_backward,
                     input_dtype=self.mp.param_dtype if unit_module is module else None,
                 )
@@ -129,15 +130,13 @@ class ShardedModel(nn.Module):
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        """Finish units autograd did not (the root, unused units), then the last microbatch's reductions."""
+        """Finish units autograd did not (the root, unused units), then make compute wait for every reduction
+        (on the last microbatch, those over all axes: the optimizer reads the gradients next)."""
         self._backward_queued = False
         for unit in reversed(self.units):
             unit.post_backward()
         for group in self.groups:
             group.release_reduction()
-        if self._is_last:
-            for group in self.groups:
-                group.finish_reduction()
 
     def global_name(self, group: FlatParamGroup, name: str) -> str:
         """The layout-independent name of a parameter (experts by global index)."""

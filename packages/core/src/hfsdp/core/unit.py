@@ -41,13 +41,15 @@ class ShardedUnit:
         *,
         is_root: bool,
         grad_scale: Callable[[], float],
+        is_last_microbatch: Callable[[], bool],
         on_backward: Callable[[], None],
         on_forward: Callable[[], None] | None = None,
         input_dtype: torch.dtype | None = None,
     ):
         self.module, self.groups, self.is_root = module, groups, is_root
         self.input_dtype = input_dtype  # floating inputs are cast to the compute dtype (root only)
-        self._grad_scale, self._on_backward, self._on_forward = grad_scale, on_backward, on_forward
+        self._grad_scale, self._is_last_microbatch = grad_scale, is_last_microbatch
+        self._on_backward, self._on_forward = on_backward, on_forward
         self.reduced = True  # nothing pending before the first backward
         # Set by the model: the unit whose gather to start when this one starts, in each direction.
         self.prefetch_forward: ShardedUnit | None = None
@@ -116,9 +118,9 @@ class ShardedUnit:
         """Move this microbatch's gradients into the flat buffers and free the parameters."""
         if self.reduced:
             return
-        scale = self._grad_scale()
+        scale, last = self._grad_scale(), self._is_last_microbatch()
         for group in self.groups:
-            group.accumulate_grads(scale)
+            group.accumulate_grads(scale, last)
         self.reshard()
         self.reduced = True
 
