@@ -46,7 +46,9 @@ def _traced_training(rank, world):
                 total += loss.detach()
             dist.all_reduce(total)
             losses.append(total.item() / (MICROBATCHES * world))
+            streams.mark("step", -1)
             opt.step()
+            streams.mark("step_done", -1)
             opt.zero_grad()
         out[name] = {"losses": losses, "trace": streams.trace}
     out["outer issued before unit"] = _outer_reductions_during_backward(world)
@@ -154,3 +156,24 @@ def test_outer_reductions_overlap_the_backward_of_earlier_units(traced, name):
     result = traced["outer issued before unit"][name]
     assert result["at unit"][2] == 0 and result["at unit"][0] == 2
     assert result["total"] == 4  # three units and the root, each one group
+
+
+def test_post_step_gathers_overlap_the_next_forward(traced):
+    """HFSDP's gathers of the new weights over the outer axis run on the gather stream: compute waits on none
+    of them inside the optimizer step, on every one of them before the next backward, and on some only after
+    the first unit has started its forward (they overlap it)."""
+    trace = traced["HFSDP 2x2"]["trace"]
+    marks = [(i, op) for i, (op, _, _) in enumerate(trace) if op in ("step", "step_done", "forward", "backward_done")]
+    start = next(i for i, op in marks if op == "step")
+    done = next(i for i, op in marks if op == "step_done")
+    first_forward = next(i for i, op in marks if op == "forward" and i > done)
+    next_backward = next(i for i, op in marks if op == "backward_done" and i > done)
+
+    def compute_waits(lo, hi):
+        return {e for op, kind, e in trace[lo:hi] if op == "wait" and kind == "compute"}
+
+    published = set(_recorded(trace[start:done], "gather"))
+    assert published
+    assert not published & compute_waits(start, done)
+    assert published <= compute_waits(done, next_backward)
+    assert published - compute_waits(done, first_forward), "every new weight was waited for before any unit ran"

@@ -80,8 +80,13 @@ def state_kinds(optimizer) -> list[str]:
 
 
 def buffers(model, optimizer, index: int) -> dict[str, tuple[torch.Tensor, int]]:
-    """For group `index`: each kind's local flat buffer and the flat position of its first element."""
+    """For group `index`: each kind's local flat buffer and the flat position of its first element.
+
+    Waits first for the group's post-step gather, which may still be writing
+    the parameter shard (and reading the main weights) on a side stream.
+    """
     group = model.groups[index]
+    group.wait_for_publish()
     out = {
         MODEL: (group.param_shard, group.param_range[0]),
         MAIN: (group.main, group.optim_range[0]),

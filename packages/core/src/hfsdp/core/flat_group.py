@@ -108,6 +108,7 @@ class FlatParamGroup:
             slot.param.data = self.unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.is_unsharded = True
         self._gathering, self._gather_event = False, None  # a gather in flight, and its event
+        self._publish_event = None  # the post-step gather of new weights, until compute has waited on it
         self.reshard()
         self.device = device
         self._grad_buffer: torch.Tensor | None = None  # allocated by the first backward, freed by zero_grad
@@ -135,7 +136,8 @@ class FlatParamGroup:
         self._gathering = True
 
     def finish_unshard(self) -> None:
-        """Make the compute stream wait for an in-flight gather."""
+        """Make the compute stream wait for an in-flight gather (and for the last step's new weights)."""
+        self.wait_for_publish()
         if self._gathering:
             self.streams.wait("compute", self._gather_event)
             self._gather_event, self._gathering = None, False
@@ -289,15 +291,36 @@ class FlatParamGroup:
     # -- after the optimizer step ----------------------------------------------------
 
     def publish_main_weights(self) -> None:
-        """Copy the updated fp32 piece into the compute-dtype shard, then gather where it is replicated."""
+        """Copy the updated fp32 piece into the compute-dtype shard, then gather it where it is replicated.
+
+        The gather over the axes with replicated parameters but a sharded
+        optimizer (HFSDP's outer axis, ZeRO-1) runs on the gather stream: it
+        overlaps the optimizer step of the groups after this one and the next
+        forward, which waits for it only when this group's unit runs
+        (`finish_unshard`). A group that keeps its parameters unsharded (the
+        root) starts its gather here and finishes it in that same wait.
+        """
         lo = self.param_range[0]
         piece = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
         if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
             piece.copy_(self.main)
-        self._gather(piece, self.layout.sharded_axes(State.OPTIM), self.plan.post_step_gather, self.param_shard, lo)
+        if self.plan.post_step_gather:
+            written = self.streams.record("compute")
+            with self.streams.side("gather"):
+                self.streams.wait("gather", written)
+                self._gather(
+                    piece, self.layout.sharded_axes(State.OPTIM), self.plan.post_step_gather, self.param_shard, lo
+                )
+                self._publish_event = self.streams.record("gather")
         if self.shards_params and self.is_unsharded:
             self.is_unsharded = False
-            self.unshard()
+            self.start_unshard()  # on the gather stream, after the gather above
+
+    def wait_for_publish(self) -> None:
+        """Make compute wait for the post-step gather of new weights, before anything reads them."""
+        if self._publish_event is not None:
+            self.streams.wait("compute", self._publish_event)
+            self._publish_event = None
 
     # -- helpers ---------------------------------------------------------------------
 

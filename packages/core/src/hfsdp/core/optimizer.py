@@ -31,6 +31,7 @@ class ShardedOptimizer:
     def step(self) -> None:
         self.step_count += 1
         for group, state in zip(self.groups, self.state, strict=True):
+            group.wait_for_publish()  # the last publish may still read `main` (a view of the shard in fp32)
             self._update(group.main, group.main_grad.float(), state)
             group.publish_main_weights()
 

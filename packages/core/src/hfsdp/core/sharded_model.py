@@ -154,6 +154,7 @@ class ShardedModel(nn.Module):
         """Each group's parameter, gradient and main-weight pieces as DTensors on its mesh."""
         out = []
         for group in self.groups:
+            group.wait_for_publish()
             grad_axes = group.layout.sharded_axes(State.GRAD)
             lo = group.grad_range[0]
             start, stop = group.layout.range_over(grad_axes, group.coord, group.padded)
