@@ -50,6 +50,8 @@ def _traced_training(rank, world):
             opt.step()
             streams.mark("step_done", -1)
             opt.zero_grad()
+        sharded.wait_for_weights()
+        streams.mark("weights_ready", -1)
         out[name] = {"losses": losses, "trace": streams.trace}
     out["outer issued before unit"] = _outer_reductions_during_backward(world)
     return out
@@ -177,3 +179,14 @@ def test_post_step_gathers_overlap_the_next_forward(traced):
     assert not published & compute_waits(start, done)
     assert published <= compute_waits(done, next_backward)
     assert published - compute_waits(done, first_forward), "every new weight was waited for before any unit ran"
+
+
+def test_wait_for_weights_waits_for_the_last_steps_gathers(traced):
+    """After the last step no forward follows: `wait_for_weights` makes compute wait on every gather it issued."""
+    trace = traced["HFSDP 2x2"]["trace"]
+    ops = [op for op, _, _ in trace]
+    start = len(ops) - 1 - ops[::-1].index("step")
+    done, ready = ops.index("step_done", start), ops.index("weights_ready", start)
+    published = set(_recorded(trace[start:done], "gather"))
+    waited = {e for op, kind, e in trace[done:ready] if op == "wait" and kind == "compute"}
+    assert published and published <= waited

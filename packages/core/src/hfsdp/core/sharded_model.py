@@ -148,13 +148,23 @@ class ShardedModel(nn.Module):
         for group in self.groups:
             group.zero_grad()
 
+    def wait_for_weights(self) -> None:
+        """Make the current stream wait for the weights the last optimizer step published.
+
+        The gathers of new weights run on a side stream and the next forward
+        waits for each unit's own; code that reads parameters outside forward
+        right after a step (an EMA, logging a norm) calls this first.
+        """
+        for group in self.groups:
+            group.wait_for_publish()
+
     # -- sharded views ---------------------------------------------------------------------
 
     def sharded_buffers(self) -> list[dict[str, DTensor]]:
         """Each group's parameter, gradient and main-weight pieces as DTensors on its mesh."""
+        self.wait_for_weights()
         out = []
         for group in self.groups:
-            group.wait_for_publish()
             grad_axes = group.layout.sharded_axes(State.GRAD)
             lo = group.grad_range[0]
             start, stop = group.layout.range_over(grad_axes, group.coord, group.padded)
