@@ -63,6 +63,8 @@ def train_reference(rank, world, steps, shape=None, clip=None):
     from hfsdp.core.megatron.cpu_shim import seed_megatron
     from hfsdp.core.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
 
+    from toy_models import plain_steps
+
     shape = GPTShape(**(shape or SHAPE))
     cfg = LayoutConfig(world_size=1, num_moe_experts=shape.num_moe_experts)
     initialize_parallel(cfg)
@@ -71,13 +73,7 @@ def train_reference(rank, world, steps, shape=None, clip=None):
     reinit_by_global_name(model, expert_naming_for(cfg), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     data = SyntheticTokens(shape.vocab_size, shape.seq_length)
-    losses, norms = [], []
-    for step in range(steps):
-        loss = lm_loss(model, *data.global_batch(step, GLOBAL_BATCH))
-        loss.backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, norms = plain_steps(
+        model, opt, lambda step: lm_loss(model, *data.global_batch(step, GLOBAL_BATCH)), steps, clip
+    )
     return {"losses": losses, "norms": norms}

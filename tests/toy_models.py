@@ -69,13 +69,20 @@ def reference_run(
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=sgd_momentum, weight_decay=weight_decay)
+    losses, norms = plain_steps(model, opt, lambda step: model(*global_batch(step)), steps, clip)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def plain_steps(model, opt, loss_at, steps: int, clip: float | None = None) -> tuple[list[float], list[float]]:
+    """`steps` plain single-process optimizer steps on `loss_at(step)`: the losses, and the gradient norms
+    `clip_grad_norm_` returned when `clip` is given."""
     losses, norms = [], []
     for step in range(steps):
-        loss = model(*global_batch(step))
+        loss = loss_at(step)
         loss.backward()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+    return losses, norms

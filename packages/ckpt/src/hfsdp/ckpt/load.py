@@ -79,30 +79,9 @@ def _open(path) -> tuple[Path, CheckpointIndex]:
 
 def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered, optimizer) -> None:
     """The model and the checkpoint must have the same parameters with the same shapes, and the states we need."""
-    model_shapes: dict[str, tuple[int, ...]] = {}
-    for members in gathered:
-        model_shapes.update((name, tuple(shape)) for name, shape in members)
-    saved = index.tensors.get(MAIN, {})
-    missing = sorted(set(model_shapes) - set(saved))
-    unexpected = sorted(set(saved) - set(model_shapes))
-    wrong = sorted(n for n in set(model_shapes) & set(saved) if tuple(saved[n].shape) != model_shapes[n])
-    hint = "it is a checkpoint of another model. Load it into the model that saved it."
-    if missing:
-        raise CheckpointError(
-            f"The checkpoint {ckpt_dir} has no parameter '{missing[0]}' of the model ({len(missing)} missing in all); "
-            + hint
-        )
-    if wrong:
-        name = wrong[0]
-        raise CheckpointError(
-            f"Parameter '{name}' has shape {list(model_shapes[name])} in the model but {list(saved[name].shape)} in "
-            f"the checkpoint {ckpt_dir} ({len(wrong)} shape mismatches in all); " + hint
-        )
-    if unexpected:
-        raise CheckpointError(
-            f"The checkpoint {ckpt_dir} has parameter '{unexpected[0]}', which the model lacks "
-            f"({len(unexpected)} unexpected in all); " + hint
-        )
+    model_shapes = {name: tuple(shape) for members in gathered for name, shape in members}
+    saved = {name: tuple(entry.shape) for name, entry in index.tensors.get(MAIN, {}).items()}
+    _same_tensors(ckpt_dir, model_shapes, saved, "parameter")
     if optimizer is not None:
         check_optimizer(optimizer, index.optimizer, str(ckpt_dir))
         for name in optimizer.state_names:
@@ -113,29 +92,39 @@ def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered, optimizer) ->
                 )
 
 
-def _shapes(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
-    return [(name, tuple(t.shape)) for name, t in tensors.items()]
-
-
 def _check_unsharded(ckpt_dir: Path, index: CheckpointIndex, gathered) -> None:
     """The model's buffers and frozen parameters (over all ranks) are exactly the checkpoint's, shapes included."""
-    model_shapes = {name: shape for members in gathered for name, shape in members}
+    model_shapes = {name: tuple(shape) for members in gathered for name, shape in members}
     saved = {name: tuple(entry.shape) for name, entry in index.unsharded.items()}
+    _same_tensors(ckpt_dir, model_shapes, saved, "buffer or frozen parameter")
+
+
+def _same_tensors(ckpt_dir: Path, model_shapes: dict, saved: dict, what: str) -> None:
+    """Raise for the first tensor the checkpoint lacks, has of another shape, or has beyond the model's."""
+    missing = sorted(set(model_shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(model_shapes))
+    wrong = sorted(n for n in set(model_shapes) & set(saved) if saved[n] != model_shapes[n])
     hint = "it is a checkpoint of another model. Load it into the model that saved it."
-    for name in sorted(set(model_shapes) | set(saved)):
-        if name not in saved:
-            raise CheckpointError(
-                f"The checkpoint {ckpt_dir} has no buffer or frozen parameter '{name}' of the model; " + hint
-            )
-        if name not in model_shapes:
-            raise CheckpointError(
-                f"The checkpoint {ckpt_dir} has buffer or frozen parameter '{name}', which the model lacks; " + hint
-            )
-        if saved[name] != model_shapes[name]:
-            raise CheckpointError(
-                f"Buffer or frozen parameter '{name}' has shape {list(model_shapes[name])} in the model but "
-                f"{list(saved[name])} in the checkpoint {ckpt_dir}; " + hint
-            )
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint {ckpt_dir} has no {what} '{missing[0]}' of the model ({len(missing)} missing in all); "
+            + hint
+        )
+    if wrong:
+        name = wrong[0]
+        raise CheckpointError(
+            f"{what[0].upper()}{what[1:]} '{name}' has shape {list(model_shapes[name])} in the model but "
+            f"{list(saved[name])} in the checkpoint {ckpt_dir} ({len(wrong)} shape mismatches in all); " + hint
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"The checkpoint {ckpt_dir} has {what} '{unexpected[0]}', which the model lacks "
+            f"({len(unexpected)} unexpected in all); " + hint
+        )
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(t.shape)) for name, t in tensors.items()]
 
 
 def _read_states(

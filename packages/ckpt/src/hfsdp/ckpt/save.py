@@ -47,7 +47,8 @@ def save_checkpoint(
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
     final = root / step_dir_name(step)
-    mine = agree(lambda: (local_groups(model, rank), local_order(model), _specs(unsharded_state(model))))
+    module_tensors = unsharded_state(model)
+    mine = agree(lambda: (local_groups(model, rank), local_order(model), _specs(module_tensors)))
     reports = [None] * world
     dist.all_gather_object(reports, mine)
     groups = canonical_groups([r[0] for r in reports], model.config.ep)
@@ -65,7 +66,7 @@ def save_checkpoint(
 
     rng = _rng_tensors() if save_rng else {}
     try:
-        owned = plan_unsharded(model.config, unsharded).get(rank, {})
+        owned = {name: module_tensors[name] for name in plan_unsharded(model.config, unsharded).get(rank, {})}
         result: Any = _write_rank_file(tmp, model, optimizer, rank, plan[rank], kinds, dtypes, rng, owned)
     except (OSError, CheckpointError) as err:
         result = CheckpointError(f"Rank {rank} could not write its file in {tmp}: {err}")
@@ -161,8 +162,9 @@ def _unsharded_specs(cfg, reports: list[dict[str, TensorEntry]]) -> dict[str, Te
 
 
 def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, owned) -> dict[str, Any] | None:
-    """Stream this rank's planned pieces of every kind, the unsharded tensors it owns, then its RNG state."""
-    entries = file_entries(items, kinds, dtypes, rng, owned)
+    """Stream this rank's planned pieces of every kind, the unsharded tensors it owns (`owned`: global name ->
+    module tensor), then its RNG state; return the file's metadata."""
+    entries = file_entries(items, kinds, dtypes, rng, _specs(owned))
     if not entries:
         return None
     local = {}  # global name -> (group index, flat offset of the member)
@@ -176,9 +178,8 @@ def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, own
                 gi, offset = local[it.name]
                 buf, base = buffers(model, optimizer, gi)[kind]
                 writer.write(buf[offset + it.start - base : offset + it.stop - base])
-        module_tensors = unsharded_state(model)
-        for name in owned:
-            writer.write(module_tensors[name].detach())
+        for tensor in owned.values():
+            writer.write(tensor.detach())
         for tensor in rng.values():
             writer.write(tensor)
         entry = writer.finish()

@@ -113,7 +113,6 @@ class FlatParamGroup:
         self.device = device
         self._grad_buffer: torch.Tensor | None = None  # allocated by the first backward, freed by zero_grad
         self._reduction_in_flight: tuple = ()  # (event, tensors the reduce stream still reads)
-        self.grads_pending = False  # grad_buffer holds grads not yet reduced over the final axes
 
     # -- parameters ------------------------------------------------------------------
 
@@ -205,11 +204,9 @@ class FlatParamGroup:
             inputs += [flat, reduced]
         else:
             self._fill(self.grad_buffer, scale, accumulate=True)
-        self.grads_pending = True
         steps = self._final_steps() if last else []
         if microbatch is None and not steps:
             return
-        buffer = self._grad_buffer
         filled = self.streams.record("compute")  # after every allocation above: the reduce stream may write them
         with self.streams.side("reduce"):
             self.streams.wait("reduce", filled)
@@ -218,7 +215,7 @@ class FlatParamGroup:
                 (k,) = self.plan.microbatch_reduce
                 comm.reduce_scatter(reduced, flat, self._group(k), self._name(k))
                 if not first:
-                    buffer.add_(reduced)
+                    self._grad_buffer.add_(reduced)
             for k, view, out, target in steps:
                 if out is None:
                     comm.all_reduce(view, self._group(k), self._name(k))
@@ -227,8 +224,6 @@ class FlatParamGroup:
                     target.copy_(out)
                     inputs.append(out)
             self._reduction_in_flight = (self.streams.record("reduce"), *inputs)
-        if last:
-            self.grads_pending = False
 
     def _final_steps(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """The once-per-step reductions as (axis, input view, output or None for all-reduce, copy target).
@@ -286,7 +281,6 @@ class FlatParamGroup:
         """Free the gradient buffer (after any reduction into it); the next backward starts from zero."""
         self.release_reduction()
         self._grad_buffer = None
-        self.grads_pending = False
 
     # -- after the optimizer step ----------------------------------------------------
 
