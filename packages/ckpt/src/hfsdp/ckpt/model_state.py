@@ -88,7 +88,7 @@ def buffers(model, optimizer, index: int) -> dict[str, tuple[torch.Tensor, int]]
     group = model.groups[index]
     group.wait_for_publish()
     out = {
-        MODEL: (group.param_shard, group.param_range[0]),
+        MODEL: (group.compute_shard(), group.param_range[0]),
         MAIN: (group.main, group.optim_range[0]),
     }
     if optimizer is not None:

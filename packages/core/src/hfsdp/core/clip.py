@@ -15,8 +15,9 @@ from hfsdp.core.flat_group import FlatParamGroup
 from hfsdp.core.placement import State
 
 
-def global_grad_norm(groups: list[FlatParamGroup]) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, over dense and expert meshes together."""
+def global_grad_norm(model_or_groups) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, over dense and expert meshes together (collective)."""
+    groups = _groups(model_or_groups)
     device = groups[0].main.device if groups else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for group in groups:
@@ -28,10 +29,20 @@ def global_grad_norm(groups: list[FlatParamGroup]) -> torch.Tensor:
     return total.sqrt().float()
 
 
-def clip_grad_norm_(groups: list[FlatParamGroup], max_norm: float) -> torch.Tensor:
-    """Scale every gradient piece so the global norm is at most `max_norm`; return the norm before."""
+def clip_grad_norm_(model_or_groups, max_norm: float) -> torch.Tensor:
+    """Scale every gradient piece so the global norm is at most `max_norm`; return the norm before (collective).
+
+    Takes the sharded model (or its groups). `torch.nn.utils.clip_grad_norm_` on
+    the main params would see this rank's pieces only and clip by a local norm.
+    """
+    groups = _groups(model_or_groups)
     norm = global_grad_norm(groups)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for group in groups:
         group.main_grad.mul_(coef.to(group.main_grad.dtype))
     return norm
+
+
+def _groups(model_or_groups) -> list[FlatParamGroup]:
+    groups = getattr(model_or_groups, "groups", model_or_groups)
+    return list(groups)

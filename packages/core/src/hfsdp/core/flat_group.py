@@ -1,20 +1,29 @@
 """One unit's parameters of one mesh, in flat padded buffers.
 
-A `FlatParamGroup` owns four buffers:
+A `FlatParamGroup` owns these buffers:
 
-- `param_shard` (compute dtype): this rank's piece of the parameters;
+- `main` (fp32): the optimizer's piece of the weights (the rank's optimizer
+  range); the main params a `torch.optim` optimizer steps are views into it;
+- `param_shard` (compute dtype): this rank's piece of the parameters, kept only
+  where it is not just `main` in another dtype. With fp32 compute `main` is a
+  view of it. With a lower compute dtype it exists where the parameter shard is
+  larger than the optimizer's (parameters replicated over an axis that shards
+  the optimizer: HFSDP's outer axis, ZeRO-1/2), and is refreshed from `main`
+  after each step. Where the two ranges coincide (ZeRO-3, HSDP, DDP, one GPU) it
+  does not exist: each gather casts `main` straight into its own slot of the
+  gather's output, as FSDP2 does, which saves 2 bytes per parameter per shard;
 - `unsharded` (compute dtype): the whole padded buffer, which every module
-  parameter is a view into. Where parameters are sharded its storage exists only
-  while the unit runs (`unshard` / `reshard`); elsewhere it *is* `param_shard`;
+  parameter is a view into. Its storage exists only while the unit runs
+  (`unshard` / `reshard`) unless it *is* the persistent `param_shard` (a
+  replicated parameter that needs no gather and no cast);
 - `grad_buffer` (reduce dtype): the gradient piece accumulated between
   microbatches; after the last microbatch its optimizer range holds the reduced
-  gradient. It exists from a step's first backward until `zero_grad`;
-- `main` (fp32): the optimizer's piece of the weights; with fp32 compute it is a
-  view of `param_shard` rather than a copy.
+  gradient. It exists from a step's first backward until the step consumes it.
 
 Padding makes every piece equal on every axis, so collectives never see uneven
-sizes. Padding starts at zero and stays zero: its gradient is zero, so AdamW and
-SGD leave it at zero, and no parameter view or checkpoint ever covers it.
+sizes. Padding starts at zero and stays zero: its gradient is zero, so
+elementwise optimizers leave it at zero, and no parameter view, main param or
+checkpoint ever covers it.
 """
 
 from __future__ import annotations
@@ -91,16 +100,21 @@ class FlatParamGroup:
         with torch.no_grad():
             for slot in self.slots:
                 full[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-        self.param_shard = full[slice(*self.param_range)].to(self.compute_dtype).clone()
+        self.param_shard: torch.Tensor | None = None
         if self.compute_dtype == torch.float32:
             # fp32 compute: the optimizer steps the parameter shard itself (its piece is a sub-range).
+            self.param_shard = full[slice(*self.param_range)].clone()
             lo = self.param_range[0]
             self.main = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
         else:
             self.main = full[slice(*self.optim_range)].clone()
+            if self.param_range != self.optim_range:
+                self.param_shard = full[slice(*self.param_range)].to(self.compute_dtype)
         del full
-        self.shards_params = bool(self.plan.param_gather)
-        if self.shards_params:
+        self.main_params: list = []  # set by the model: the MainParams aliasing `main`
+        # Whether `unsharded` is built (gathered, or cast from `main`) each time the unit runs.
+        self.transient_unsharded = bool(self.plan.param_gather) or self.param_shard is None
+        if self.transient_unsharded:
             self.unsharded = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
         else:
             self.unsharded = self.param_shard
@@ -129,8 +143,12 @@ class FlatParamGroup:
         allocated = self.streams.record("compute")
         with self.streams.side("gather"):
             self.streams.wait("gather", allocated)
+            piece = self.param_shard
+            if piece is None:  # cast the main weights into this rank's slot: the gather is then in place
+                piece = self.unsharded[slice(*self.param_range)]
+                piece.copy_(self.main)
             axes = self.layout.sharded_axes(State.PARAM)
-            self._gather(self.param_shard, axes, self.plan.param_gather, self.unsharded, 0)
+            self._gather(piece, axes, self.plan.param_gather, self.unsharded, 0)
             self._gather_event = self.streams.record("gather")
         self._gathering = True
 
@@ -145,7 +163,7 @@ class FlatParamGroup:
     def reshard(self) -> None:
         """Free the unsharded parameters (only where they are sharded), after any gather into them."""
         self.finish_unshard()
-        if self.shards_params and self.is_unsharded:
+        if self.transient_unsharded and self.is_unsharded:
             self.unsharded.untyped_storage().resize_(0)
             self.is_unsharded = False
 
@@ -277,38 +295,67 @@ class FlatParamGroup:
         lo = self.grad_range[0]
         return self.grad_buffer[self.optim_range[0] - lo : self.optim_range[1] - lo]
 
+    @property
+    def holds_grads(self) -> bool:
+        return self._grad_buffer is not None
+
+    def expose_grads(self, copy: bool) -> None:
+        """Point each main param's `.grad` at its piece of the reduced gradient (after the last microbatch).
+
+        With an fp32 reduction the `.grad` is a view and costs nothing, so it is set
+        as soon as backward ends. With another reduce dtype it must be an fp32 copy
+        (an optimizer steps fp32 main params): `copy=True` makes it, which the model
+        does only right before the optimizer step, so the copy is not held through
+        the rest of the step.
+        """
+        if self.reduce_dtype != torch.float32 and not copy:
+            return
+        for piece in self.main_params:
+            if piece.param.grad is None:
+                piece.param.grad = piece.grad_view()
+
     def zero_grad(self) -> None:
-        """Free the gradient buffer (after any reduction into it); the next backward starts from zero."""
+        """Free the gradient buffer (after any reduction into it) and the main params' views of it; the next
+        backward starts from zero."""
         self.release_reduction()
+        for piece in self.main_params:
+            piece.param.grad = None
         self._grad_buffer = None
 
     # -- after the optimizer step ----------------------------------------------------
 
     def publish_main_weights(self) -> None:
-        """Copy the updated fp32 piece into the compute-dtype shard, then gather it where it is replicated.
+        """Make the updated fp32 piece the weights the next forward computes with.
 
-        The gather over the axes with replicated parameters but a sharded
-        optimizer (HFSDP's outer axis, ZeRO-1) runs on the gather stream: it
-        overlaps the optimizer step of the groups after this one and the next
-        forward, which waits for it only when this group's unit runs
-        (`finish_unshard`). A group that keeps its parameters unsharded (the
-        root) starts its gather here and finishes it in that same wait.
+        Where a compute-dtype parameter shard is kept, the new piece is cast into
+        it and then gathered over the axes with replicated parameters but a
+        sharded optimizer (HFSDP's outer axis, ZeRO-1/2). That gather runs on
+        the gather stream: it overlaps the update of the groups after this one
+        and the next forward, which waits for it only when this group's unit
+        runs (`finish_unshard`). Where no shard is kept, the next gather casts
+        `main` itself, so there is nothing to do but refresh parameters that are
+        still unsharded (the root after a forward without backward).
         """
-        lo = self.param_range[0]
-        piece = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
-        if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
-            piece.copy_(self.main)
-        if self.plan.post_step_gather:
-            written = self.streams.record("compute")
-            with self.streams.side("gather"):
-                self.streams.wait("gather", written)
-                self._gather(
-                    piece, self.layout.sharded_axes(State.OPTIM), self.plan.post_step_gather, self.param_shard, lo
-                )
-                self._publish_event = self.streams.record("gather")
-        if self.shards_params and self.is_unsharded:
+        if self.param_shard is not None:
+            lo = self.param_range[0]
+            piece = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
+            if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
+                piece.copy_(self.main)
+            if self.plan.post_step_gather:
+                written = self.streams.record("compute")
+                with self.streams.side("gather"):
+                    self.streams.wait("gather", written)
+                    axes = self.layout.sharded_axes(State.OPTIM)
+                    self._gather(piece, axes, self.plan.post_step_gather, self.param_shard, lo)
+                    self._publish_event = self.streams.record("gather")
+        if self.transient_unsharded and self.is_unsharded:
             self.is_unsharded = False
             self.start_unshard()  # on the gather stream, after the gather above
+
+    def compute_shard(self) -> torch.Tensor:
+        """This rank's parameter piece in the compute dtype (a fresh cast of `main` where none is kept)."""
+        self.wait_for_publish()
+        return self.param_shard if self.param_shard is not None else self.main.to(self.compute_dtype)
 
     def wait_for_publish(self) -> None:
         """Make compute wait for the post-step gather of new weights, before anything reads them."""
@@ -325,8 +372,9 @@ class FlatParamGroup:
         return self.layout.names[k]
 
     def state_bytes(self) -> int:
-        """Model-state bytes on this rank as DESIGN §4 counts them: parameter shard, gradient piece, fp32 main
-        weights (none of their own when computing in fp32: then they are the parameter shard)."""
+        """Model-state bytes on this rank as the memory model counts them: the compute-dtype parameter shard
+        where one is kept, the gradient piece, and the fp32 main weights where they are not that shard."""
+        shard = 0 if self.param_shard is None else self.param_shard.numel() * self.param_shard.element_size()
         grad = (self.grad_range[1] - self.grad_range[0]) * self.reduce_dtype.itemsize
         main = 0 if self.compute_dtype == torch.float32 else self.main.numel() * self.main.element_size()
-        return self.param_shard.numel() * self.param_shard.element_size() + grad + main
+        return shard + grad + main

@@ -97,12 +97,16 @@ class MeshLayout:
         return out
 
     def bytes_per_param(self, param_bytes: int = 2, grad_bytes: int = 2, optim_bytes: int = 12) -> float:
-        """Model-state bytes per parameter on one rank (DESIGN.md §4): 2/s_p + 2/s_g + 12/s_o."""
-        return (
-            param_bytes / self.shard_factor(State.PARAM)
-            + grad_bytes / self.shard_factor(State.GRAD)
-            + optim_bytes / self.shard_factor(State.OPTIM)
-        )
+        """Model-state bytes per parameter on one rank: 2/s_p + 2/s_g + 12/s_o (bf16 params and grads, fp32 main
+        weights and Adam), where the compute-dtype parameter shard is kept only when s_p != s_o.
+
+        Where the parameter and optimizer shards are the same range, every gather
+        casts the fp32 main weights into its own input, so the 2/s_p term is gone
+        (docs/design.md, "Memory").
+        """
+        s_p, s_o = self.shard_factor(State.PARAM), self.shard_factor(State.OPTIM)
+        params = param_bytes / s_p if s_p != s_o else 0.0
+        return params + grad_bytes / self.shard_factor(State.GRAD) + optim_bytes / s_o
 
 
 def dense_layout(cfg: LayoutConfig) -> MeshLayout:

@@ -23,6 +23,7 @@ from hfsdp.core.config import LayoutConfig
 from hfsdp.core.dtensor import flat_dtensor
 from hfsdp.core.expert_naming import ExpertNaming
 from hfsdp.core.flat_group import FlatParamGroup, MixedPrecision
+from hfsdp.core.main_params import build_main_params, install_step_hooks, named_main_params
 from hfsdp.core.mesh import HybridMeshes
 from hfsdp.core.placement import State
 from hfsdp.core.streams import streams_for
@@ -84,6 +85,11 @@ class ShardedModel(nn.Module):
             later.prefetch_backward = earlier if earlier is not self.units[-1] else None
         if len(order) > 1:
             order[0].prefetch_backward = order[-1]
+        self.main_params = build_main_params(self, self.groups)
+        for group in self.groups:
+            group.main_params = [p for p in self.main_params if p.group is group]
+        self._grads_complete = False  # the last backward was a step's last microbatch, not yet consumed
+        install_step_hooks()
 
     def _make_groups(self, params, is_expert) -> list[FlatParamGroup]:
         buckets: dict[tuple[bool, torch.dtype], list] = {}
@@ -126,17 +132,58 @@ class ShardedModel(nn.Module):
 
     def _queue_end_of_backward(self) -> None:
         if not self._backward_queued:
+            self._start_backward()
             self._backward_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _start_backward(self) -> None:
+        """Begin a backward: the gradients of a finished step must have been consumed or discarded.
+
+        The last microbatch reduces gradients over every axis, so nothing can be
+        added to them afterwards. If `optimizer.zero_grad()` discarded them (the
+        main params' `.grad` is None) the buffers are dropped here; if nothing
+        did, adding this backward to them would be wrong, so it is refused.
+        """
+        if not self._grads_complete:
+            return
+        if any(p.param.grad is not None for p in self.main_params):
+            raise RuntimeError(
+                "backward() was called again after the last microbatch of a step, before optimizer.step() or "
+                "zero_grad(): hfsdp reduced the step's gradients over all ranks on its last microbatch and cannot "
+                "add to them. Call optimizer.step() (or zero_grad()) first, or declare gradient accumulation "
+                "with model.set_microbatch(index, count) before each microbatch."
+            )
+        self.zero_grad()
+
     def _end_of_backward(self) -> None:
         """Finish units autograd did not (the root, unused units), then make compute wait for every reduction
-        (on the last microbatch, those over all axes: the optimizer reads the gradients next)."""
+        (on the last microbatch, those over all axes: the optimizer reads the gradients next, through the
+        main params' `.grad`)."""
         self._backward_queued = False
         for unit in reversed(self.units):
             unit.post_backward()
         for group in self.groups:
             group.release_reduction()
+        if self._is_last:
+            for group in self.groups:
+                group.expose_grads(copy=False)
+            self._grads_complete = True
+
+    # -- around the optimizer step (called by the global step hooks, see main_params.py) -----------------
+
+    def before_optimizer_step(self) -> None:
+        """The last step's weight gathers may still read the main weights the optimizer is about to write; main
+        params whose gradient needs an fp32 copy get it now."""
+        self.wait_for_weights()
+        if self._grads_complete:
+            for group in self.groups:
+                group.expose_grads(copy=True)
+
+    def after_optimizer_step(self) -> None:
+        """Publish the new weights (collective, group order) and release the step's gradients."""
+        for group in self.groups:
+            group.publish_main_weights()
+        self.zero_grad()
 
     def global_name(self, group: FlatParamGroup, name: str) -> str:
         """The layout-independent name of a parameter (experts by global index)."""
@@ -145,8 +192,14 @@ class ShardedModel(nn.Module):
         return name
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Free every gradient buffer; the next backward starts a new step's gradients."""
         for group in self.groups:
             group.zero_grad()
+        self._grads_complete = False
+
+    def named_main_params(self):
+        """(global name, main param) of every piece of the fp32 main weights this rank's optimizer steps."""
+        return named_main_params(self)
 
     def wait_for_weights(self) -> None:
         """Make the current stream wait for the weights the last optimizer step published.
@@ -170,7 +223,7 @@ class ShardedModel(nn.Module):
             start, stop = group.layout.range_over(grad_axes, group.coord, group.padded)
             out.append(
                 {
-                    "param": flat_dtensor(group.param_shard, group, State.PARAM),
+                    "param": flat_dtensor(group.compute_shard(), group, State.PARAM),
                     "grad": flat_dtensor(group.grad_buffer[start - lo : stop - lo], group, State.GRAD),
                     "main": flat_dtensor(group.main, group, State.OPTIM),
                 }
