@@ -299,7 +299,7 @@ def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False):
 def local_state(sm, opt) -> list[dict[str, torch.Tensor]]:
     """This rank's flat buffers (params, main, optimizer states) per group, for bitwise comparisons."""
     return [
-        {"param": g.param_shard.clone(), "main": g.main.clone(), **{k: v.clone() for k, v in s.items()}}
+        {"param": g.compute_shard().clone(), "main": g.main.clone(), **{k: v.clone() for k, v in s.items()}}
         for g, s in zip(sm.groups, opt.state, strict=True)
     ]
 

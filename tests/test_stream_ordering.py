@@ -16,11 +16,10 @@ def _traced_training(rank, world):
 
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.optimizer import ShardedAdamW
     from hfsdp.core.sharded_model import fully_shard
     from hfsdp.core.streams import TracingStreams
 
-    from toy_models import make_toy, microbatch
+    from toy_models import OPTIMIZERS, make_toy, microbatch
 
     out = {}
     for name, kw in {
@@ -34,7 +33,7 @@ def _traced_training(rank, world):
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), streams=streams)
         for index, layer in enumerate(model.layers):
             layer.register_forward_pre_hook(lambda *_, i=index, s=streams: s.mark("forward", i))
-        opt = ShardedAdamW(sharded.groups, lr=1e-2, weight_decay=0.1)
+        opt = OPTIMIZERS["adamw"]([p for _, p in sharded.named_main_params()])
         losses = []
         for step in range(STEPS):
             total = torch.zeros(())
@@ -126,12 +125,15 @@ def test_side_streams_wait_for_compute_before_writing(traced, name):
     """Every gather and reduction first waits on an event the compute stream recorded (allocation / filled grads)."""
     trace = traced[name]["trace"]
     compute_events: set[int] = set()
+    entered = {"gather": 0, "reduce": 0}
     for position, (op, kind, event) in enumerate(trace):
         if op == "record" and kind == "compute":
             compute_events.add(event)
         if op == "enter":
+            entered[kind] += 1
             following = trace[position + 1]
             assert following[0] == "wait" and following[1] == kind and following[2] in compute_events
+    assert entered["gather"] > 0 and entered["reduce"] > 0, entered
 
 
 @pytest.mark.parametrize("name", ["ZeRO-3 1x4", "HSDP 2x2"])

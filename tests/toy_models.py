@@ -1,6 +1,7 @@
 """A small model, its data, and the single-process plain-PyTorch reference the engine is checked against.
 
-Sizes are odd on purpose (13, 16, 8 -> 1) so flat buffers need padding on every mesh.
+Sizes are odd on purpose (13, 16, 8 -> 1) so flat buffers need padding on every mesh. The global
+batch (48) splits evenly over 4 and 6 ranks with 2 or 4 microbatches.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-GLOBAL_BATCH = 16
+GLOBAL_BATCH = 48
 
 
 class Block(nn.Module):
@@ -56,19 +57,18 @@ def microbatch(step: int, index: int, count: int, rank: int, world: int):
     return x[chunk * size : (chunk + 1) * size], y[chunk * size : (chunk + 1) * size]
 
 
-def reference_run(
-    steps: int,
-    lr: float = 1e-2,
-    weight_decay: float = 0.1,
-    clip: float | None = None,
-    sgd_momentum: float | None = None,
-):
-    """Train the toy model in one process with torch.optim.AdamW (or SGD) on whole global batches."""
+#: The optimizers the engine tests run, by name: the same constructor for the reference and the sharded model.
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1),
+}
+
+
+def reference_run(steps: int, optimizer: str = "adamw", clip: float | None = None):
+    """Train the toy model in one process with a torch optimizer on whole global batches: losses, final parameters
+    and, when `clip` is given, the gradient norms `clip_grad_norm_` returned (inf: the norm, unclipped)."""
     model = make_toy()
-    if sgd_momentum is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=sgd_momentum, weight_decay=weight_decay)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     losses, norms = plain_steps(model, opt, lambda step: model(*global_batch(step)), steps, clip)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
