@@ -225,7 +225,9 @@ def synthetic_groups(moe: bool, ep: int = 1) -> list[GroupSpec]:
     return retarget_groups(groups, NUM_EXPERTS if moe else None, ep)
 
 
-def synthetic_checkpoint(path, layout: dict, moe: bool = False, model_dtype=torch.bfloat16, seed: int = 0):
+def synthetic_checkpoint(
+    path, layout: dict, moe: bool = False, model_dtype=torch.bfloat16, seed: int = 0, extra: dict | None = None
+):
     """Write a checkpoint of random tensors (model, main, exp_avg, exp_avg_sq, and the unsharded module tensors)
     for `layout`; returns them by kind ("unsharded" for the module tensors) and global name."""
     from hfsdp.ckpt import write_from_tensors
@@ -257,9 +259,70 @@ def synthetic_checkpoint(path, layout: dict, moe: bool = False, model_dtype=torc
         )
     optimizer = {"type": "ShardedAdamW", "step_count": 3, "hyper": {"lr": LR}, "states": ["exp_avg", "exp_avg_sq"]}
     write_from_tensors(
-        path, cfg, groups, tensors, step=3, extra={"consumed_samples": 72}, optimizer=optimizer, unsharded=unsharded
+        path,
+        cfg,
+        groups,
+        tensors,
+        step=3,
+        extra={"consumed_samples": 72} if extra is None else extra,
+        optimizer=optimizer,
+        unsharded=unsharded,
     )
     return {**tensors, "unsharded": unsharded}
+
+
+# -- damaged checkpoints (the hostile inputs of test_ckpt_errors.py) ------------------------
+
+
+def seal(raw: bytes) -> str:
+    """The checksum line hfsdp writes for index bytes `raw` (or records for a file)."""
+    import xxhash
+
+    return f"xxh3_128:{xxhash.xxh3_128(raw).hexdigest()}"
+
+
+def write_index_bytes(ckpt, raw: bytes, reseal: bool = True) -> None:
+    """Replace the index of checkpoint `ckpt` by `raw`; with `reseal`, also its checksum file, as a tool that writes
+    wrong but self-consistent indexes would (without it, the damage is one the index checksum must catch)."""
+    from pathlib import Path
+
+    (Path(ckpt) / "index.json").write_bytes(raw)
+    if reseal:
+        (Path(ckpt) / "index.json.checksum").write_text(seal(raw) + "\n")
+
+
+def edit_index(ckpt, edit, reseal: bool = True) -> None:
+    """Apply `edit` to the parsed index of `ckpt` and write it back (see `write_index_bytes`)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(ckpt) / "index.json").read_text())
+    edit(data)
+    write_index_bytes(ckpt, json.dumps(data).encode(), reseal)
+
+
+def reseal_file(ckpt, name: str) -> None:
+    """Record the present size and checksum of file `name` in the index: damage that no checksum catches."""
+    from pathlib import Path
+
+    raw = (Path(ckpt) / name).read_bytes()
+    edit_index(ckpt, lambda data: data["files"][name].update(checksum=seal(raw), bytes=len(raw)))
+
+
+def rewrite_header(ckpt, name: str, edit) -> None:
+    """Apply `edit` to the parsed safetensors header of file `name`, keep its data, and reseal the file."""
+    import json
+    import struct
+    from pathlib import Path
+
+    path = Path(ckpt) / name
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + length :])
+    reseal_file(ckpt, name)
 
 
 # -- phases run on every rank by the resume tests -----------------------------------------
@@ -415,7 +478,8 @@ def crash_main(mode: str, root: str, side: str, init_file: str) -> None:
 
 
 def crash_load_phase(rank: int, world: int, roots: list[str]):
-    """Load each crashed root into a fresh engine, return its state, then save step 3 into the same root."""
+    """Resume each crashed root in a fresh engine (its state after loading is returned), train the step the crash
+    interrupted and save it again: over the orphan step-2 where the crash hit after the rename."""
     from hfsdp.ckpt import load_checkpoint, save_checkpoint
 
     out = []
@@ -423,7 +487,8 @@ def crash_load_phase(rank: int, world: int, roots: list[str]):
         sm, opt = engine(ZERO3, seed=1)
         extra = load_checkpoint(root, sm, opt)
         out.append((extra["step"], local_state(sm, opt)))
-        save_checkpoint(root, sm, opt, step=3)
+        train(sm, opt, 1, start=1)
+        save_checkpoint(root, sm, opt, step=2)
     return out
 
 
