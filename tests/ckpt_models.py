@@ -435,6 +435,112 @@ def load_phase(rank: int, world: int, jobs, error_jobs=()):
     return out
 
 
+# -- collective behaviour of save and load (test_ckpt_collective.py) -----------------------
+
+
+def rng_states() -> tuple:
+    """This process's torch, Python and NumPy generator states, comparable with ==."""
+    import random
+
+    import numpy as np
+
+    _, keys, position, has_gauss, cached = np.random.get_state()
+    return torch.get_rng_state().tolist(), random.getstate(), (keys.tolist(), position, has_gauss, cached)
+
+
+def damage_rng_tensor(ckpt, rank: int) -> None:
+    """Overwrite rank `rank`'s saved torch RNG state with bytes no generator accepts, and reseal the file."""
+    import struct
+    from pathlib import Path
+
+    from hfsdp.ckpt.headers import read_header
+
+    name = f"rank-{rank:05d}.safetensors"
+    path = Path(ckpt) / name
+    entry = read_header(path)["rng/torch_cpu"]
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    data[8 + length + entry.begin : 8 + length + entry.end] = b"\xff" * (entry.end - entry.begin)
+    path.write_bytes(bytes(data))
+    reseal_file(ckpt, name)
+
+
+def collective_phase(rank: int, world: int, base: str):
+    """Save and load on every rank: RNG round trip, a damaged RNG state, a write failure on rank 1 only, a
+    published step saved again, an `extra` no index may hold. Returns what each rank saw."""
+    import random
+    from pathlib import Path
+
+    import numpy as np
+
+    import hfsdp.ckpt.writer as writer_module
+    from hfsdp.ckpt import CheckpointError, load_checkpoint, save_checkpoint
+
+    root, out = Path(base) / "root", {}
+
+    def attempt(call) -> str | None:
+        try:
+            call()
+        except CheckpointError as err:
+            return str(err)
+        return None
+
+    def on_disk() -> dict:
+        dist.barrier()
+        return {
+            "latest": (root / "latest").read_text().strip(),
+            "steps": sorted(p.name for p in root.iterdir() if p.name.startswith("step-")),
+            "hidden": sorted(p.name for p in root.iterdir() if p.name.startswith(".")),
+        }
+
+    # RNG states: saved, perturbed, restored by a load on the same world size (rank r gets rank r's)
+    sm, opt = engine(ZERO3)
+    torch.manual_seed(100 + rank), random.seed(200 + rank), np.random.seed(300 + rank)
+    torch.rand(3), random.gauss(0, 1), np.random.randn()  # leave a cached gaussian in Python's and NumPy's
+    saved = rng_states()
+    save_checkpoint(root, sm, opt, step=1)
+    torch.rand(5), random.random(), np.random.rand(7)
+    perturbed = rng_states()
+    load_checkpoint(root, sm, opt)
+    out["rng"] = (saved, perturbed, rng_states())
+
+    # a torch RNG state no generator accepts (resealed, so only the RNG check can catch it)
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(root / "step-1", Path(base) / "bad-rng")
+        damage_rng_tensor(Path(base) / "bad-rng", 1)
+    dist.barrier()
+    fresh, fresh_opt = engine(ZERO3, seed=1)
+    before = local_state(fresh, fresh_opt)
+    out["bad rng"] = attempt(lambda: load_checkpoint(Path(base) / "bad-rng", fresh, fresh_opt))
+    after = local_state(fresh, fresh_opt)
+    unchanged = [torch.equal(a[k], b[k]) for a, b in zip(before, after, strict=True) for k in a]
+    out["bad rng left the model alone"] = all(unchanged)
+
+    # a write failure on rank 1 only: every rank raises the same error, nothing is published
+    original = writer_module.TensorFileWriter.write
+    if rank == 1:
+
+        def write(self, chunk):
+            raise OSError(28, "No space left on device (injected)", str(self.path))
+
+        writer_module.TensorFileWriter.write = write
+    try:
+        out["write failure"] = attempt(lambda: save_checkpoint(root, sm, opt, step=2))
+    finally:
+        writer_module.TensorFileWriter.write = original
+    out["after write failure"] = on_disk()
+    save_checkpoint(root, sm, opt, step=2)
+    out["after a later save"] = on_disk()
+
+    # published steps are never overwritten; an index hfsdp would refuse is never written
+    out["save published step"] = attempt(lambda: save_checkpoint(root, sm, opt, step=1))
+    out["save NaN extra"] = attempt(lambda: save_checkpoint(root, sm, opt, step=3, extra={"loss": float("nan")}))
+    out["after refused saves"] = on_disk()
+    return out
+
+
 # -- a save that dies half-way (run as a script by test_ckpt_crash.py) -----------------------
 
 

@@ -61,7 +61,9 @@ def load_checkpoint(
     agree(lambda: _check_model(ckpt_dir, index, [g[0] for g in gathered], optimizer))
     agree(lambda: _check_unsharded(ckpt_dir, index, [g[1] for g in gathered]))
     rng_meta = index.rng.get(str(rank)) if restore_rng and index.layout["world_size"] == world else None
-    rng = agree(lambda: _read_states(ckpt_dir, index, model, optimizer, module_tensors, rng_meta, verify_checksums))
+    # Two steps, each agreed: no rank touches its model until every rank's files and RNG state passed.
+    plan, rng = agree(lambda: _prepare(ckpt_dir, index, model, optimizer, module_tensors, rng_meta, verify_checksums))
+    agree(lambda: _fill(ckpt_dir, index, model, optimizer, module_tensors, plan))
 
     for group in model.groups:  # collective: every rank, every group, model order
         group.publish_main_weights()
@@ -129,7 +131,7 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]
     return [(name, tuple(t.shape)) for name, t in tensors.items()]
 
 
-def _read_states(
+def _prepare(
     ckpt_dir: Path,
     index: CheckpointIndex,
     model,
@@ -137,14 +139,9 @@ def _read_states(
     module_tensors: dict[str, torch.Tensor],
     rng_meta: dict | None,
     checksums: bool,
-) -> rng_states.RngState | None:
-    """Fill main weights and optimizer states of this rank's optimizer ranges, and the module's unsharded
-    tensors, verifying the files read; return this rank's RNG state (read and checked, not yet set).
-
-    Every file is checked (headers, checksums) and the RNG state read before the
-    first buffer is touched, so a damaged checkpoint is refused without
-    clobbering the model.
-    """
+) -> tuple[list, rng_states.RngState | None]:
+    """What this rank reads, after checking every file it reads (headers, checksums; all files' sizes) and
+    reading its RNG state: (plan, RNG state). Nothing of the model is touched yet."""
     plan = []  # (kind, global name, start in the flat tensor, destination view)
     for gi, group in enumerate(model.groups):
         lo, hi = group.optim_range
@@ -164,8 +161,12 @@ def _read_states(
         files |= reader.files_for(kind, name, start, start + out.numel())
     check_present(ckpt_dir, index)
     check_files(ckpt_dir, index, files, checksums=checksums)
-    rng = rng_states.read(ckpt_dir, rng_meta) if rng_meta else None
-    with reader, torch.no_grad():
+    return plan, rng_states.read(ckpt_dir, rng_meta) if rng_meta else None
+
+
+def _fill(ckpt_dir: Path, index: CheckpointIndex, model, optimizer, module_tensors, plan) -> None:
+    """Read the planned ranges into the main weights, the optimizer states and the module's unsharded tensors."""
+    with CheckpointReader(ckpt_dir, index) as reader, torch.no_grad():
         for gi in range(len(model.groups)):
             for kind, (buf, _) in buffers(model, optimizer, gi).items():
                 if kind != MODEL:
@@ -174,4 +175,3 @@ def _read_states(
             reader.read_into(kind, name, start, out)
             if kind == UNSHARDED:
                 module_tensors[name].copy_(out.view(module_tensors[name].shape))
-    return rng
