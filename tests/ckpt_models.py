@@ -340,9 +340,10 @@ def save_and_continue(root, layout: dict, moe: bool = False, bf16: bool = False,
     return {"first": first, "second": second, "state": local_state(sm, opt)}
 
 
-def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False):
-    """Build a differently initialised engine, load `path` into it, train steps 2 and 3."""
-    from hfsdp.ckpt import load_checkpoint
+def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False, save_to=None):
+    """Build a differently initialised engine, load `path` into it, train steps 2 and 3 (then save step 4 into
+    root `save_to`, when given)."""
+    from hfsdp.ckpt import load_checkpoint, save_checkpoint
     from hfsdp.ckpt.model_state import unsharded_state
 
     sm, opt = engine(layout, moe, seed=1, bf16=bf16)
@@ -350,6 +351,8 @@ def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False):
     step_count = opt.step_count
     unsharded = {name: t.detach().clone() for name, t in unsharded_state(sm).items()}
     losses = train(sm, opt, 2, start=2)
+    if save_to is not None:
+        save_checkpoint(save_to, sm, opt, step=4)
     return {
         "losses": losses,
         "extra": extra,
@@ -373,6 +376,17 @@ ZERO1 = {"inner": "optim"}
 ZERO3 = {"inner": "optim_grads_params"}
 MOE_EP2 = {"inner": "optim_grads_params", "ep": 2, "num_moe_experts": NUM_EXPERTS, "expert_strategy": "optim"}
 MOE_EP1 = {"inner": "optim_grads_params", "outer": "optim", "instances": 2, "num_moe_experts": NUM_EXPERTS}
+HFSDP_3X2 = {"inner": "optim_grads_params", "outer": "optim", "instances": 3}  # a non-square mesh on 6 ranks
+
+
+def world6_phase(rank: int, world: int, root: str):
+    """HFSDP 3x2 (three instances of two ranks): the uninterrupted run that saves at step 2, and its resume."""
+    from pathlib import Path
+
+    root = Path(root)
+    out = {"hfsdp3x2": save_and_continue(root / "hfsdp3x2", HFSDP_3X2)}
+    out["hfsdp3x2->hfsdp3x2"] = load_and_train(root / "hfsdp3x2", HFSDP_3X2)
+    return out
 
 
 def world4_phase(rank: int, world: int, root: str):
@@ -411,6 +425,9 @@ def world4_phase(rank: int, world: int, root: str):
     offline("moe_ep1", "moe_ep1_to_ep2", MOE_EP2)
     out["moe_ep1->ep2 offline"] = load_and_train(root / "moe_ep1_to_ep2", MOE_EP2, moe=True)
     out["moe_ep1->ep2 on load"] = load_and_train(root / "moe_ep1", MOE_EP2, moe=True)
+    # saved on the non-square HFSDP 3x2 by world6_phase, resharded offline by the test before this phase
+    out["hfsdp3x2->hfsdp2x2 offline"] = load_and_train(root / "hfsdp3x2_to_2x2", HFSDP, save_to=root / "resumed2x2")
+    out["hfsdp3x2->hfsdp2x2 on load"] = load_and_train(root / "hfsdp3x2", HFSDP)
     return out
 
 
