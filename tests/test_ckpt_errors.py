@@ -14,6 +14,7 @@ without resealing must be caught by the index's own checksum first.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -321,6 +322,7 @@ DAMAGE = {
     "not UTF-8": (raw_index(b'"consumed_samples"', b'"consumed\xffsamples"'), "UTF-8", True),
     "lone surrogate in a name": (lone_surrogate_name, "index.json", True),
     "unknown dtype": (edited(lambda d: d["tensors"]["main"][WEIGHT].update(dtype="uint16"), "uint16"), "dtype", True),
+    "a list as a dtype": (edited(lambda d: d["groups"][0].update(dtype=["float32"]), "groups[0].dtype"), "list", True),
     "unknown layout key": (edited(lambda d: d["layout"].update(bogus=1), "bogus"), "layout", True),
     "invalid source layout": (
         edited(lambda d: d["layout"].update(inner="optim", outer="optim_grads_params"), "layout"),
@@ -468,3 +470,70 @@ def test_an_index_hfsdp_would_refuse_is_never_written(tmp_path):
         with pytest.raises(CheckpointError, match="extra"):
             synthetic_checkpoint(tmp_path / label, SOURCE, extra=extra)
         assert not (tmp_path / label).exists() and list(tmp_path.iterdir()) == []
+
+
+ODD_VALUES = [None, True, 0, -1, 2**63, 3.5, "", "../x", "a\x1bb", [], [1], {}, {"a": 1}, "uint16", 10**30]
+
+
+def _paths(node, prefix=()):
+    """Every path into the parsed index (lists: their first two items)."""
+    yield prefix
+    items = node.items() if isinstance(node, dict) else enumerate(node[:2]) if isinstance(node, list) else ()
+    for key, child in items:
+        yield from _paths(child, (*prefix, key))
+
+
+def _random_edit(data, rand) -> None:
+    """Replace, drop or duplicate the value at one random path of the parsed index."""
+    *path, key = rand.choice(list(_paths(data))[1:])
+    parent = data
+    for part in path:
+        parent = parent[part]
+    action = rand.random()
+    if action < 0.6:
+        parent[key] = rand.choice(ODD_VALUES)
+    elif action < 0.8:
+        parent.pop(key)
+    elif isinstance(parent, dict):
+        parent[f"{key}x"] = parent[key]
+    else:
+        parent.append(parent[key])
+
+
+def _random_header_bytes(ckpt: Path, rand) -> None:
+    name = f"rank-0000{rand.randrange(4)}.safetensors"
+    raw = bytearray((ckpt / name).read_bytes())
+    (length,) = struct.unpack("<Q", raw[:8])
+    for _ in range(rand.randint(1, 3)):
+        raw[rand.randrange(8 + length)] = rand.choice([rand.randrange(256), *b'"1{]'])
+    (ckpt / name).write_bytes(bytes(raw))
+    reseal_file(ckpt, name)
+
+
+def _read_with_every_reader(ckpt: Path, scratch: Path) -> None:
+    """verify, inspect, reshard and export `ckpt`; a CheckpointError is a fine answer, anything else is not."""
+    calls = (verify, inspect, lambda c: reshard(c, scratch / "dst", LayoutConfig(world_size=3)))
+    for call in (*calls, lambda c: export(c, scratch / "out")):
+        with contextlib.suppress(CheckpointError):
+            call(ckpt)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_damage_is_refused_or_read_but_never_raises_anything_else(good, tmp_path, seed):
+    """Seeded random edits of the index and random bytes in a shard's header, both resealed: verify, inspect,
+    reshard and export either succeed or raise CheckpointError, never another exception (a fuzz like this found
+    a TypeError in the schema check)."""
+    import random
+
+    rand = random.Random(seed)
+    for case in range(100):
+        ckpt = tmp_path / f"c{case}"
+        shutil.copytree(good / STEP, ckpt)
+        if case % 2:
+            _random_header_bytes(ckpt, rand)
+        else:
+            edit_index(ckpt, lambda data: [_random_edit(data, rand) for _ in range(rand.randint(1, 3))])
+        _read_with_every_reader(ckpt, tmp_path)
+        shutil.rmtree(ckpt)
+        for leftover in ("dst", "out"):
+            shutil.rmtree(tmp_path / leftover, ignore_errors=True)

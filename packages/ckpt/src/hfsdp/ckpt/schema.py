@@ -338,7 +338,7 @@ def _kind(value: Any, path: str) -> str:
 
 
 def _dtype(value: Any, path: str) -> str:
-    if value not in DTYPES:
+    if not isinstance(value, str) or value not in DTYPES:
         raise SchemaError(
             f"{path} is {_show(value)}, which is not a dtype hfsdp knows ({', '.join(DTYPES)}); the file was written "
             "by another tool or damaged"
