@@ -21,8 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.schema import RNG_KEYS
 
-TORCH_CPU, TORCH_CUDA = "rng/torch_cpu", "rng/torch_cuda"
+TORCH_CPU, TORCH_CUDA = RNG_KEYS
 
 
 def capture() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

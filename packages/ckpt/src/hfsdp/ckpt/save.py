@@ -129,7 +129,12 @@ def _make_staging(root: Path, final: Path, step: int) -> Staging | CheckpointErr
     """Rank 0: refuse a published `final`, clear what killed saves left, and make (and lock) the staging directory."""
     try:
         kind = entry_kind(final)
-        if kind is not None and (kind != "dir" or not is_unpublished(root, step)):
+        if kind not in (None, "dir"):
+            return CheckpointError(
+                f"{final} exists and is not a directory but a {kind}; a save never replaces it. Remove it, or save "
+                "under another step."
+            )
+        if kind == "dir" and not is_unpublished(root, step):
             return CheckpointError(
                 f"{final} already exists and is published ('{LATEST}' names step {latest_step(root)}); a save never "
                 "overwrites a published checkpoint. Save under another step, or delete the old directory first."
