@@ -345,6 +345,8 @@ DAMAGE = {
         "layout",
         True,
     ),
+    "extra that is a list": (edited(lambda d: d.update(extra=[]), "extra"), "object", True),
+    "rng that is a number": (edited(lambda d: d.update(rng=0), "rng"), "object", True),
     "extra.step that is no step": (edited(lambda d: d["extra"].update(step="abc"), "extra.step"), "whole number", True),
     "unknown top-level field": (edited(lambda d: d.update(surprise=1), "surprise"), "does not define", True),
     "future format version": (edited(lambda d: d.update(version=4), "version"), "reads format versions", True),

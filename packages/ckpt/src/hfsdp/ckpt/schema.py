@@ -75,11 +75,17 @@ def parse_index(data: Any) -> CheckpointIndex:
             fix="Read it with the hfsdp release that wrote it, or convert it there.",
         )
     layout = _layout(top["layout"])
+
+    def optional(key: str, empty):
+        """An optional field: absent or null means empty (older versions lack some); any other value is checked."""
+        value = top.get(key)
+        return empty if value is None else value
+
     return CheckpointIndex(
         step=_int(top["step"], "step"),
         layout=layout,
         meshes=_meshes(top["meshes"]),
-        extra=_extra(top.get("extra") or {}),
+        extra=_extra(optional("extra", {})),
         optimizer=_optimizer(top.get("optimizer")),
         groups=[_group(g, f"groups[{i}]") for i, g in enumerate(_array(top["groups"], "groups"))],
         tensors={
@@ -90,9 +96,9 @@ def parse_index(data: Any) -> CheckpointIndex:
             _file_name(name, "files"): _file_entry(entry, f"files[{name!r}]", version)
             for name, entry in _object(top["files"], "files").items()
         },
-        rng={_rank(rank): _rng(meta, f"rng[{rank!r}]") for rank, meta in _object(top.get("rng") or {}, "rng").items()},
-        order=[_text(n, f"order[{i}]") for i, n in enumerate(_array(top.get("order") or [], "order"))],
-        unsharded=_entries(top.get("unsharded") or {}, "unsharded"),
+        rng={_rank(rank): _rng(meta, f"rng[{rank!r}]") for rank, meta in _object(optional("rng", {}), "rng").items()},
+        order=[_text(n, f"order[{i}]") for i, n in enumerate(_array(optional("order", []), "order"))],
+        unsharded=_entries(optional("unsharded", {}), "unsharded"),
         version=version,
     )
 
@@ -103,8 +109,8 @@ def parse_index(data: Any) -> CheckpointIndex:
 def _layout(value: Any) -> dict[str, Any]:
     from hfsdp.core.config import ConfigError, LayoutConfig  # torch-free
 
-    known = tuple(f.name for f in dataclass_fields(LayoutConfig))
-    layout = _object(value, "layout", ("world_size",), known[1:])
+    optional = tuple(f.name for f in dataclass_fields(LayoutConfig) if f.name != "world_size")
+    layout = _object(value, "layout", ("world_size",), optional)
     for name, item in layout.items():  # LayoutConfig checks the rest; first keep its inputs small
         if isinstance(item, str):
             _text(item, f"layout.{name}", 64)
@@ -130,7 +136,7 @@ def _mesh(value: Any, path: str, optional: tuple[str, ...]) -> dict[str, Any]:
     mesh = _object(value, path, ("names", "shape"), optional)
     out: dict[str, Any] = {
         "names": [_text(n, f"{path}.names[{i}]", 64) for i, n in enumerate(_array(mesh["names"], f"{path}.names", 8))],
-        "shape": _shape(mesh["shape"], f"{path}.shape"),
+        "shape": list(_shape(mesh["shape"], f"{path}.shape")),
     }
     if "ep" in mesh:
         out["ep"] = _int(mesh["ep"], f"{path}.ep", MAX_LAYOUT_INT)
