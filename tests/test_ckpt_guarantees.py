@@ -179,6 +179,25 @@ def test_names_from_a_file_are_printed_escaped(good, tmp_path):
     assert str(CheckpointError("a\x1bb\nc\u202ed")) == "a\\x1bb\\nc\\u202ed"
 
 
+def test_names_the_terminal_cannot_encode_are_escaped_not_a_traceback(good, tmp_path):
+    """On an ASCII-only stdout, inspect prints a name with non-ASCII letters escaped instead of failing."""
+    src = tmp_path / "src"
+    shutil.copytree(good, src)
+
+    def rename(data):
+        text = json.dumps(data).replace('"layers.0.up.weight"', json.dumps("layers.0.up.w\u00e9ight"))
+        data.clear()
+        data.update(json.loads(text))
+
+    edit_index(src, rename)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    out = subprocess.run(
+        [sys.executable, "-m", "hfsdp.cli", "ckpt", "inspect", str(src)], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "layers.0.up.w\\xe9ight" in out.stdout
+
+
 def test_json_format_answers_with_one_object(good, tmp_path):
     """verify and inspect --format json print one JSON object on stdout: the result with ok true, or ok false and
     the error (exit 2), nothing on stderr."""

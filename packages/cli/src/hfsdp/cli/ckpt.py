@@ -53,8 +53,10 @@ def _console(stderr: bool = False) -> Console:
 
 
 def _say(console: Console, text: str) -> None:
-    """Print one line, its non-printable characters escaped (names in it may come from a file)."""
-    console.print(printable(text), markup=False)
+    """Print one line, its non-printable characters escaped (names in it may come from a file), and so are the
+    characters the output's encoding cannot hold (an ASCII terminal)."""
+    encoding = console.encoding or "utf-8"
+    console.print(printable(text).encode(encoding, "backslashreplace").decode(encoding), markup=False)
 
 
 def _fail(command: str, message: str, as_json: bool) -> typer.Exit:
@@ -135,9 +137,9 @@ def reshard(
             raise typer.Exit(EXIT_INVALID_LAYOUT) from None
         # The batch sizes are the training loop's business, not the checkpoint's: drop them, say so.
         target = LayoutConfig(**{**fields, "global_batch_size": None, "micro_batch_size": None})
-        _console(stderr=True).print(
+        _say(
+            _console(stderr=True),
             "note: the source's global/micro batch sizes do not fit the new world size; the target records none.",
-            markup=False,
         )
     bar, update = _progress("reshard")
     with bar:
@@ -157,9 +159,9 @@ def reshard(
 
 def _report_invalid(err) -> None:
     console = _console(stderr=True)
-    console.print(f"hfsdp ckpt reshard: the target layout is invalid ({len(err.problems)} problem(s)):", markup=False)
+    _say(console, f"hfsdp ckpt reshard: the target layout is invalid ({len(err.problems)} problem(s)):")
     for p in err.problems:
-        console.print(f"  - {p.field}: {p.message}", markup=False)
+        _say(console, f"  - {p.field}: {p.message}")
 
 
 @app.command()
