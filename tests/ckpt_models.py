@@ -225,7 +225,9 @@ def synthetic_groups(moe: bool, ep: int = 1) -> list[GroupSpec]:
     return retarget_groups(groups, NUM_EXPERTS if moe else None, ep)
 
 
-def synthetic_checkpoint(path, layout: dict, moe: bool = False, model_dtype=torch.bfloat16, seed: int = 0):
+def synthetic_checkpoint(
+    path, layout: dict, moe: bool = False, model_dtype=torch.bfloat16, seed: int = 0, extra: dict | None = None
+):
     """Write a checkpoint of random tensors (model, main, exp_avg, exp_avg_sq, and the unsharded module tensors)
     for `layout`; returns them by kind ("unsharded" for the module tensors) and global name."""
     from hfsdp.ckpt import write_from_tensors
@@ -257,9 +259,70 @@ def synthetic_checkpoint(path, layout: dict, moe: bool = False, model_dtype=torc
         )
     optimizer = {"type": "ShardedAdamW", "step_count": 3, "hyper": {"lr": LR}, "states": ["exp_avg", "exp_avg_sq"]}
     write_from_tensors(
-        path, cfg, groups, tensors, step=3, extra={"consumed_samples": 72}, optimizer=optimizer, unsharded=unsharded
+        path,
+        cfg,
+        groups,
+        tensors,
+        step=3,
+        extra={"consumed_samples": 72} if extra is None else extra,
+        optimizer=optimizer,
+        unsharded=unsharded,
     )
     return {**tensors, "unsharded": unsharded}
+
+
+# -- damaged checkpoints (the hostile inputs of test_ckpt_errors.py) ------------------------
+
+
+def seal(raw: bytes) -> str:
+    """The checksum line hfsdp writes for index bytes `raw` (or records for a file)."""
+    import xxhash
+
+    return f"xxh3_128:{xxhash.xxh3_128(raw).hexdigest()}"
+
+
+def write_index_bytes(ckpt, raw: bytes, reseal: bool = True) -> None:
+    """Replace the index of checkpoint `ckpt` by `raw`; with `reseal`, also its checksum file, as a tool that writes
+    wrong but self-consistent indexes would (without it, the damage is one the index checksum must catch)."""
+    from pathlib import Path
+
+    (Path(ckpt) / "index.json").write_bytes(raw)
+    if reseal:
+        (Path(ckpt) / "index.json.checksum").write_text(seal(raw) + "\n")
+
+
+def edit_index(ckpt, edit, reseal: bool = True) -> None:
+    """Apply `edit` to the parsed index of `ckpt` and write it back (see `write_index_bytes`)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(ckpt) / "index.json").read_text())
+    edit(data)
+    write_index_bytes(ckpt, json.dumps(data).encode(), reseal)
+
+
+def reseal_file(ckpt, name: str) -> None:
+    """Record the present size and checksum of file `name` in the index: damage that no checksum catches."""
+    from pathlib import Path
+
+    raw = (Path(ckpt) / name).read_bytes()
+    edit_index(ckpt, lambda data: data["files"][name].update(checksum=seal(raw), bytes=len(raw)))
+
+
+def rewrite_header(ckpt, name: str, edit) -> None:
+    """Apply `edit` to the parsed safetensors header of file `name`, keep its data, and reseal the file."""
+    import json
+    import struct
+    from pathlib import Path
+
+    path = Path(ckpt) / name
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + length :])
+    reseal_file(ckpt, name)
 
 
 # -- phases run on every rank by the resume tests -----------------------------------------
@@ -277,9 +340,10 @@ def save_and_continue(root, layout: dict, moe: bool = False, bf16: bool = False,
     return {"first": first, "second": second, "state": local_state(sm, opt)}
 
 
-def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False):
-    """Build a differently initialised engine, load `path` into it, train steps 2 and 3."""
-    from hfsdp.ckpt import load_checkpoint
+def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False, save_to=None):
+    """Build a differently initialised engine, load `path` into it, train steps 2 and 3 (then save step 4 into
+    root `save_to`, when given)."""
+    from hfsdp.ckpt import load_checkpoint, save_checkpoint
     from hfsdp.ckpt.model_state import unsharded_state
 
     sm, opt = engine(layout, moe, seed=1, bf16=bf16)
@@ -287,6 +351,8 @@ def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False):
     step_count = opt.step_count
     unsharded = {name: t.detach().clone() for name, t in unsharded_state(sm).items()}
     losses = train(sm, opt, 2, start=2)
+    if save_to is not None:
+        save_checkpoint(save_to, sm, opt, step=4)
     return {
         "losses": losses,
         "extra": extra,
@@ -310,6 +376,17 @@ ZERO1 = {"inner": "optim"}
 ZERO3 = {"inner": "optim_grads_params"}
 MOE_EP2 = {"inner": "optim_grads_params", "ep": 2, "num_moe_experts": NUM_EXPERTS, "expert_strategy": "optim"}
 MOE_EP1 = {"inner": "optim_grads_params", "outer": "optim", "instances": 2, "num_moe_experts": NUM_EXPERTS}
+HFSDP_3X2 = {"inner": "optim_grads_params", "outer": "optim", "instances": 3}  # a non-square mesh on 6 ranks
+
+
+def world6_phase(rank: int, world: int, root: str):
+    """HFSDP 3x2 (three instances of two ranks): the uninterrupted run that saves at step 2, and its resume."""
+    from pathlib import Path
+
+    root = Path(root)
+    out = {"hfsdp3x2": save_and_continue(root / "hfsdp3x2", HFSDP_3X2)}
+    out["hfsdp3x2->hfsdp3x2"] = load_and_train(root / "hfsdp3x2", HFSDP_3X2)
+    return out
 
 
 def world4_phase(rank: int, world: int, root: str):
@@ -348,6 +425,9 @@ def world4_phase(rank: int, world: int, root: str):
     offline("moe_ep1", "moe_ep1_to_ep2", MOE_EP2)
     out["moe_ep1->ep2 offline"] = load_and_train(root / "moe_ep1_to_ep2", MOE_EP2, moe=True)
     out["moe_ep1->ep2 on load"] = load_and_train(root / "moe_ep1", MOE_EP2, moe=True)
+    # saved on the non-square HFSDP 3x2 by world6_phase, resharded offline by the test before this phase
+    out["hfsdp3x2->hfsdp2x2 offline"] = load_and_train(root / "hfsdp3x2_to_2x2", HFSDP, save_to=root / "resumed2x2")
+    out["hfsdp3x2->hfsdp2x2 on load"] = load_and_train(root / "hfsdp3x2", HFSDP)
     return out
 
 
@@ -369,6 +449,112 @@ def load_phase(rank: int, world: int, jobs, error_jobs=()):
     """`load_and_train` for each (label, path, layout, moe), then the loads that must fail."""
     out = {label: load_and_train(path, layout, moe) for label, path, layout, moe in jobs}
     out["errors"] = error_phase(rank, world, list(error_jobs))
+    return out
+
+
+# -- collective behaviour of save and load (test_ckpt_collective.py) -----------------------
+
+
+def rng_states() -> tuple:
+    """This process's torch, Python and NumPy generator states, comparable with ==."""
+    import random
+
+    import numpy as np
+
+    _, keys, position, has_gauss, cached = np.random.get_state()
+    return torch.get_rng_state().tolist(), random.getstate(), (keys.tolist(), position, has_gauss, cached)
+
+
+def damage_rng_tensor(ckpt, rank: int) -> None:
+    """Overwrite rank `rank`'s saved torch RNG state with bytes no generator accepts, and reseal the file."""
+    import struct
+    from pathlib import Path
+
+    from hfsdp.ckpt.headers import read_header
+
+    name = f"rank-{rank:05d}.safetensors"
+    path = Path(ckpt) / name
+    entry = read_header(path)["rng/torch_cpu"]
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    data[8 + length + entry.begin : 8 + length + entry.end] = b"\xff" * (entry.end - entry.begin)
+    path.write_bytes(bytes(data))
+    reseal_file(ckpt, name)
+
+
+def collective_phase(rank: int, world: int, base: str):
+    """Save and load on every rank: RNG round trip, a damaged RNG state, a write failure on rank 1 only, a
+    published step saved again, an `extra` no index may hold. Returns what each rank saw."""
+    import random
+    from pathlib import Path
+
+    import numpy as np
+
+    import hfsdp.ckpt.writer as writer_module
+    from hfsdp.ckpt import CheckpointError, load_checkpoint, save_checkpoint
+
+    root, out = Path(base) / "root", {}
+
+    def attempt(call) -> str | None:
+        try:
+            call()
+        except CheckpointError as err:
+            return str(err)
+        return None
+
+    def on_disk() -> dict:
+        dist.barrier()
+        return {
+            "latest": (root / "latest").read_text().strip(),
+            "steps": sorted(p.name for p in root.iterdir() if p.name.startswith("step-")),
+            "hidden": sorted(p.name for p in root.iterdir() if p.name.startswith(".")),
+        }
+
+    # RNG states: saved, perturbed, restored by a load on the same world size (rank r gets rank r's)
+    sm, opt = engine(ZERO3)
+    torch.manual_seed(100 + rank), random.seed(200 + rank), np.random.seed(300 + rank)
+    torch.rand(3), random.gauss(0, 1), np.random.randn()  # leave a cached gaussian in Python's and NumPy's
+    saved = rng_states()
+    save_checkpoint(root, sm, opt, step=1)
+    torch.rand(5), random.random(), np.random.rand(7)
+    perturbed = rng_states()
+    load_checkpoint(root, sm, opt)
+    out["rng"] = (saved, perturbed, rng_states())
+
+    # a torch RNG state no generator accepts (resealed, so only the RNG check can catch it)
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(root / "step-1", Path(base) / "bad-rng")
+        damage_rng_tensor(Path(base) / "bad-rng", 1)
+    dist.barrier()
+    fresh, fresh_opt = engine(ZERO3, seed=1)
+    before = local_state(fresh, fresh_opt)
+    out["bad rng"] = attempt(lambda: load_checkpoint(Path(base) / "bad-rng", fresh, fresh_opt))
+    after = local_state(fresh, fresh_opt)
+    unchanged = [torch.equal(a[k], b[k]) for a, b in zip(before, after, strict=True) for k in a]
+    out["bad rng left the model alone"] = all(unchanged)
+
+    # a write failure on rank 1 only: every rank raises the same error, nothing is published
+    original = writer_module.TensorFileWriter.write
+    if rank == 1:
+
+        def write(self, chunk):
+            raise OSError(28, "No space left on device (injected)", str(self.path))
+
+        writer_module.TensorFileWriter.write = write
+    try:
+        out["write failure"] = attempt(lambda: save_checkpoint(root, sm, opt, step=2))
+    finally:
+        writer_module.TensorFileWriter.write = original
+    out["after write failure"] = on_disk()
+    save_checkpoint(root, sm, opt, step=2)
+    out["after a later save"] = on_disk()
+
+    # published steps are never overwritten; an index hfsdp would refuse is never written
+    out["save published step"] = attempt(lambda: save_checkpoint(root, sm, opt, step=1))
+    out["save NaN extra"] = attempt(lambda: save_checkpoint(root, sm, opt, step=3, extra={"loss": float("nan")}))
+    out["after refused saves"] = on_disk()
     return out
 
 
@@ -415,7 +601,8 @@ def crash_main(mode: str, root: str, side: str, init_file: str) -> None:
 
 
 def crash_load_phase(rank: int, world: int, roots: list[str]):
-    """Load each crashed root into a fresh engine, return its state, then save step 3 into the same root."""
+    """Resume each crashed root in a fresh engine (its state after loading is returned), train the step the crash
+    interrupted and save it again: over the orphan step-2 where the crash hit after the rename."""
     from hfsdp.ckpt import load_checkpoint, save_checkpoint
 
     out = []
@@ -423,7 +610,8 @@ def crash_load_phase(rank: int, world: int, roots: list[str]):
         sm, opt = engine(ZERO3, seed=1)
         extra = load_checkpoint(root, sm, opt)
         out.append((extra["step"], local_state(sm, opt)))
-        save_checkpoint(root, sm, opt, step=3)
+        train(sm, opt, 1, start=1)
+        save_checkpoint(root, sm, opt, step=2)
     return out
 
 

@@ -2,8 +2,9 @@
 
 Two processes save step 1, then are SIGKILLed inside the save of step 2: one
 while writing its rank file, one after publishing step-2 but before moving
-`latest`. A fresh process group then loads each root and must get step 1's
-state exactly, and a later save into the same root must succeed and clean up.
+`latest` (the crash window that leaves an unpublished orphan step-2). A fresh
+process group then resumes each root and must get step 1's state exactly, and
+its save of step 2 must succeed, replace the orphan, and clean up.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def test_killed_save_leaves_latest_on_the_previous_checkpoint(crashed, mode):
         verify(root / "step-2")  # complete, but not yet `latest`
 
 
-def test_crashed_roots_load_step_one_exactly_and_accept_the_next_save(crashed):
-    """A fresh run loads step 1 bit for bit from each crashed root; the next save cleans up and moves latest."""
+def test_crashed_roots_resume_step_one_exactly_and_save_the_interrupted_step_again(crashed):
+    """A fresh run loads step 1 bit for bit from each crashed root (`latest` wins over the orphan step-2), and
+    its save of step 2 succeeds, replacing the orphan, moving latest and removing what the crash left."""
     base, _ = crashed
+    orphan_marker = base / "before-latest" / "step-2" / "orphan-marker"
+    orphan_marker.write_text("written into the orphan step-2 by the test")
     (results,) = run_distributed(ckpt_models.crash_load_phase, 1, [str(base / m) for m in MODES])
     for mode, (step, state) in zip(MODES, results, strict=True):
         assert step == 1
@@ -64,5 +68,7 @@ def test_crashed_roots_load_step_one_exactly_and_accept_the_next_save(crashed):
             for key in a:
                 assert torch.equal(a[key], b[key]), (mode, key)
         root = base / mode
-        assert (root / "latest").read_text().strip() == "step-3"
+        assert (root / "latest").read_text().strip() == "step-2"
+        assert verify(root)["path"] == str(root / "step-2")
         assert not list(root.glob(".tmp-*")), "the next save removes what the crash left"
+    assert not orphan_marker.exists(), "the orphan step-2 was replaced, not kept"

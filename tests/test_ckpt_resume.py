@@ -2,7 +2,7 @@
 
 Every resumed run is compared with a single-process torch.optim.AdamW run of the
 same model on the same batches: within fp32 rounding across layouts, and bit for
-bit when the layout does not change. Three process groups (4, 2 and 3 ranks)
+bit when the layout does not change. Four process groups (6, 4, 2 and 3 ranks)
 run all cases; the assertions run here, on what they return.
 """
 
@@ -22,6 +22,7 @@ from hfsdp.core.config import LayoutConfig
 
 from ckpt_models import (
     GLOBAL_BATCH,
+    HFSDP,
     MOE_EP1,
     MOE_EP2,
     NUM_EXPERTS,
@@ -30,6 +31,7 @@ from ckpt_models import (
     load_phase,
     reference,
     world4_phase,
+    world6_phase,
 )
 from distributed import run_distributed
 
@@ -39,9 +41,12 @@ MOE_3 = {"inner": "optim", "num_moe_experts": NUM_EXPERTS}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """All training runs: 4 ranks (saves, same-layout resumes, 4-rank targets), then 2 and 3 ranks."""
+    """All training runs: 6 ranks (the non-square save), 4 ranks (saves, same-layout resumes, 4-rank targets),
+    then 2 and 3 ranks."""
     root = tmp_path_factory.mktemp("resume")
-    out = {"root": root, **run_distributed(world4_phase, 4, str(root))[0]}
+    out = {"root": root, **run_distributed(world6_phase, 6, str(root))[0]}
+    reshard(root / "hfsdp3x2", root / "hfsdp3x2_to_2x2", LayoutConfig(world_size=4, **HFSDP), io_threads=2)
+    out.update(run_distributed(world4_phase, 4, str(root))[0])
     reshard(root / "hfsdp", root / "hfsdp_to_hsdp2x1", LayoutConfig(world_size=2, **HSDP_2X1), io_threads=2)
     reshard(root / "hsdp", root / "hsdp_to_zero3x3", LayoutConfig(world_size=3, **ZERO3), io_threads=2)
     two = [
@@ -82,6 +87,8 @@ RESUMED = [
     ("moe_ep1->ep2 offline", True),
     ("moe_ep1->ep2 on load", True),
     ("moe_ep2->ep1 1x3 on load", True),
+    ("hfsdp3x2->hfsdp2x2 offline", False),
+    ("hfsdp3x2->hfsdp2x2 on load", False),
 ]
 
 
@@ -98,7 +105,7 @@ def test_resume_on_another_layout_matches_uninterrupted_reference(runs, refs, la
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("name", ["hsdp", "zero1", "hfsdp", "hfsdp_bf16", "moe_ep2", "moe_ep1"])
+@pytest.mark.parametrize("name", ["hsdp", "zero1", "hfsdp", "hfsdp_bf16", "moe_ep2", "moe_ep1", "hfsdp3x2"])
 def test_saved_runs_match_reference(runs, refs, name):
     """The runs that were saved trained like the single-process reference (bf16 compute within bf16 rounding)."""
     losses, _ = refs[name.startswith("moe")]
@@ -107,7 +114,7 @@ def test_saved_runs_match_reference(runs, refs, name):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), rtol=tol, atol=0)
 
 
-@pytest.mark.parametrize("name", ["hsdp", "hfsdp_bf16", "moe_ep2"])
+@pytest.mark.parametrize("name", ["hsdp", "hfsdp_bf16", "moe_ep2", "hfsdp3x2"])
 def test_same_layout_resume_is_bitwise(runs, name):
     """Resuming on the layout that saved gives bit-identical losses, weights and optimizer states."""
     uninterrupted, resumed = runs[name], runs[f"{name}->{name}"]
@@ -116,6 +123,22 @@ def test_same_layout_resume_is_bitwise(runs, name):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), key
+
+
+def test_non_square_save_resharded_offline_resumes_to_the_reference_parameters(runs, refs):
+    """HFSDP 3x2 (6 ranks) saved at step 2, resharded offline to HFSDP 2x2 (4 ranks), resumed for two steps and
+    saved: every fp32 main weight and module tensor after step 4 is the single-process AdamW run's."""
+    _, states = refs[False]
+    assert read_index(resolve(runs["root"] / "hfsdp3x2")).config().layout_name.startswith("HFSDP 3x2")
+    resumed = resolve(runs["root"] / "resumed2x2")
+    index = read_index(resumed)
+    assert index.config().layout_name.startswith("HFSDP 2x2") and index.step == 4
+    with CheckpointReader(resumed, index) as reader:
+        for name, expected in states[3].items():
+            kind = "unsharded" if name in index.unsharded else "main"
+            got = torch.empty(expected.numel(), dtype=expected.dtype)
+            reader.read_into(kind, name, 0, got)
+            torch.testing.assert_close(got.view(expected.shape), expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_load_of_another_model_fails_on_every_rank(runs):

@@ -4,17 +4,44 @@ Online (collective): `save_checkpoint`, `load_checkpoint` (any layout: reshard o
 load). Offline (one process): `reshard`, `export`, `verify`, `inspect`,
 `write_from_tensors`. Every failure is a `CheckpointError` whose message names
 the file and the fix. The format is described in docs/checkpoints.md.
+
+Importing this package stays light: `verify`, `inspect`, `read_index` and
+`resolve` need neither torch nor megatron-core, so `hfsdp ckpt verify` starts at
+once. What needs torch is imported on first use (module `__getattr__`).
 """
 
+from __future__ import annotations
+
+import importlib
+
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.export import export
-from hfsdp.ckpt.from_tensors import write_from_tensors
-from hfsdp.ckpt.index import CheckpointIndex, GroupSpec, read_index
-from hfsdp.ckpt.load import load_checkpoint
-from hfsdp.ckpt.reshard import reshard
-from hfsdp.ckpt.save import save_checkpoint
+from hfsdp.ckpt.index import CheckpointIndex, GroupSpec
+from hfsdp.ckpt.index_file import read_index
 from hfsdp.ckpt.store import resolve
 from hfsdp.ckpt.verify import inspect, verify
+
+#: Names that need torch, and the module each lives in (no module is named like the function it holds, so a
+#: submodule import can never shadow the function on the package).
+_LAZY = {
+    "export": "hfsdp.ckpt.exporting",
+    "load_checkpoint": "hfsdp.ckpt.load",
+    "reshard": "hfsdp.ckpt.resharding",
+    "save_checkpoint": "hfsdp.ckpt.save",
+    "write_from_tensors": "hfsdp.ckpt.from_tensors",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "CheckpointError",

@@ -15,8 +15,6 @@ away.
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +24,12 @@ from typing import Protocol
 import torch
 
 from hfsdp.ckpt.checksum import short
+from hfsdp.ckpt.dtypes import itemsize
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.index import INDEX_NAME, UNSHARDED, CheckpointIndex, FileEntry, GroupSpec, Piece, TensorEntry
+from hfsdp.ckpt.files import checksum_like
+from hfsdp.ckpt.index import UNSHARDED, FileEntry, GroupSpec, Piece, TensorEntry
 from hfsdp.ckpt.pieces import WriteItem, file_name, plan_writes, tensor_key, unsharded_owner
-from hfsdp.ckpt.store import checksum_like
-from hfsdp.ckpt.writer import TensorFileWriter, torch_dtype
+from hfsdp.ckpt.writer import TensorFileWriter
 from hfsdp.core.config import LayoutConfig
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -95,14 +94,6 @@ def index_tensors(
         for entry in entries.values():
             entry.pieces.sort(key=lambda p: p.start)
     return tensors
-
-
-def write_index(directory: Path, index: CheckpointIndex) -> None:
-    path = Path(directory) / INDEX_NAME
-    with open(path, "w") as f:
-        json.dump(index.to_json(), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def slice_bytes(memory_budget_bytes: int, io_threads: int) -> int:
@@ -173,10 +164,10 @@ def write_layout(
         try:
             for kind in kinds:
                 for it in items:
-                    max_elems = max(1, chunk_bytes // torch_dtype(dtypes[kind, it.name]).itemsize)
+                    max_elems = max(1, chunk_bytes // itemsize(dtypes[kind, it.name]))
                     copy(source.chunks(kind, it.name, it.start, it.stop, max_elems))
             for name, entry in owned.get(rank, {}).items():
-                max_elems = max(1, chunk_bytes // torch_dtype(entry.dtype).itemsize)
+                max_elems = max(1, chunk_bytes // itemsize(entry.dtype))
                 copy(source.chunks(UNSHARDED, name, 0, entry.numel, max_elems))
             for tensor in rng.get(rank, {}).values():
                 writer.write(tensor)
@@ -188,7 +179,7 @@ def write_layout(
             if hasattr(source, "close"):
                 source.close()
         if verify_written:
-            _reverify(out_dir / file_name(rank), written, chunk_bytes)
+            reverify(out_dir / file_name(rank), written, chunk_bytes)
         return file_name(rank), written
 
     jobs.sort(key=lambda j: -_nbytes(j[2]))
@@ -200,7 +191,8 @@ def write_layout(
     return tensors, index_unsharded(cfg, unsharded), dict(sorted(files.items()))
 
 
-def _reverify(path: Path, written: FileEntry, chunk_bytes: int) -> None:
+def reverify(path: Path, written: FileEntry, chunk_bytes: int = 8 << 20) -> None:
+    """Read a file just written back from disk: its size and checksum must be the ones computed while writing."""
     got = checksum_like(path, written, min(8 << 20, chunk_bytes))
     if got != written:
         raise CheckpointError(
@@ -213,7 +205,7 @@ def _reverify(path: Path, written: FileEntry, chunk_bytes: int) -> None:
 def _nbytes(entries) -> int:
     total = 0
     for _, dtype, shape in entries:
-        n = torch_dtype(dtype).itemsize
+        n = itemsize(dtype)
         for s in shape:
             n *= s
         total += n

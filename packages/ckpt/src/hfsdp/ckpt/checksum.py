@@ -28,6 +28,9 @@ import xxhash
 ALGORITHM = "xxh3_128"
 #: Every algorithm a checkpoint index may name, with a constructor of incremental hashers.
 HASHERS: dict[str, Callable] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+#: Hex digits of each algorithm's digest.
+DIGEST_HEX = {"xxh3_128": 32, "sha256": 64}
+_HEX = frozenset("0123456789abcdef")
 
 
 class UnknownChecksum(ValueError):
@@ -37,9 +40,14 @@ class UnknownChecksum(ValueError):
 def split(checksum: str) -> tuple[str, str]:
     """("xxh3_128", "ab12...") from "xxh3_128:ab12..."."""
     algorithm, sep, digest = checksum.partition(":")
-    if not sep or algorithm not in HASHERS or not digest:
+    if not sep or algorithm not in HASHERS:
         raise UnknownChecksum(
             f"checksum {checksum[:40]!r} is not '<algorithm>:<hex>' with an algorithm out of {sorted(HASHERS)}"
+        )
+    if len(digest) != DIGEST_HEX[algorithm] or not set(digest) <= _HEX:
+        raise UnknownChecksum(
+            f"checksum {checksum[:80]!r} does not end in the {DIGEST_HEX[algorithm]} lowercase hex digits of a "
+            f"{algorithm} digest"
         )
     return algorithm, digest
 
@@ -56,6 +64,13 @@ def short(checksum: str) -> str:
     """The checksum cut to the algorithm and 16 hex digits, for messages and listings."""
     algorithm, _, digest = checksum.partition(":")
     return f"{algorithm}:{digest[:16]}..."
+
+
+def bytes_checksum(data: bytes, algorithm: str = ALGORITHM) -> str:
+    """The checksum of `data` held in memory (the index, which is hashed as the bytes that were parsed)."""
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return render(algorithm, hasher)
 
 
 def file_checksum(path: Path, algorithm: str = ALGORITHM, window: int = 8 << 20) -> tuple[str, int]:

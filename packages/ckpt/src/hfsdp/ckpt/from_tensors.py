@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from hfsdp.ckpt.build import MemorySource, write_index, write_layout
+from hfsdp.ckpt.build import MemorySource, write_layout
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import MAIN, UNSHARDED, CheckpointIndex, GroupSpec, TensorEntry, meshes_of
-from hfsdp.ckpt.store import ensure_absent, staged_dir
+from hfsdp.ckpt.index_file import write_index
+from hfsdp.ckpt.staging import ensure_absent, staged_dir
 from hfsdp.ckpt.writer import dtype_name
 from hfsdp.core.config import LayoutConfig
 

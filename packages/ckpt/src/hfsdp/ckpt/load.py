@@ -10,28 +10,34 @@ step, so parameters and main weights always agree and a same-layout resume is
 bit-identical. The module's unsharded tensors (persistent buffers, frozen
 parameters) are read whole and copied into the module on every rank.
 
-Every check that can fail does so on all ranks together (the checks run on
-gathered data, and read errors are exchanged before the first collective of
-the engine), so a bad checkpoint raises a CheckpointError everywhere instead of
-leaving ranks waiting.
+Before anything is touched, the checkpoint passes every reader's checks: the
+index through `index_file.read_index` (its checksum, schema and structure),
+every file's presence and size, and for the files this rank reads their
+headers and checksums (`files.check_files`); the RNG state is read and checked
+too. Every check that can fail does so on all ranks together (the checks run on
+gathered data, and every error is exchanged before the first collective of the
+engine), so a bad checkpoint raises a CheckpointError everywhere, and only a
+CheckpointError, instead of leaving ranks waiting or a model half-loaded.
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hfsdp.ckpt import rng as rng_states
 from hfsdp.ckpt.agree import agree
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.index import MAIN, MODEL, UNSHARDED, CheckpointIndex, read_index
+from hfsdp.ckpt.files import check_files, check_present
+from hfsdp.ckpt.index import MAIN, MODEL, UNSHARDED, CheckpointIndex
+from hfsdp.ckpt.index_file import read_index
 from hfsdp.ckpt.model_state import buffers, check_optimizer, local_groups, restore_optimizer, unsharded_state
 from hfsdp.ckpt.pieces import intersect
 from hfsdp.ckpt.reader import CheckpointReader
-from hfsdp.ckpt.store import check_files, check_sizes, resolve
+from hfsdp.ckpt.store import resolve
 from hfsdp.ckpt.writer import torch_dtype
 
 
@@ -54,19 +60,17 @@ def load_checkpoint(
     dist.all_gather_object(gathered, mine)
     agree(lambda: _check_model(ckpt_dir, index, [g[0] for g in gathered], optimizer))
     agree(lambda: _check_unsharded(ckpt_dir, index, [g[1] for g in gathered]))
-    rng = index.rng.get(str(rank)) if restore_rng and int(index.layout.get("world_size", -1)) == world else None
-    agree(
-        lambda: _read_states(
-            ckpt_dir, index, model, optimizer, module_tensors, rng["file"] if rng else None, verify_checksums
-        )
-    )
+    rng_meta = index.rng.get(str(rank)) if restore_rng and index.layout["world_size"] == world else None
+    # Two steps, each agreed: no rank touches its model until every rank's files and RNG state passed.
+    plan, rng = agree(lambda: _prepare(ckpt_dir, index, model, optimizer, module_tensors, rng_meta, verify_checksums))
+    agree(lambda: _fill(ckpt_dir, index, model, optimizer, module_tensors, plan))
 
     for group in model.groups:  # collective: every rank, every group, model order
         group.publish_main_weights()
     if optimizer is not None:
         restore_optimizer(optimizer, index.optimizer)
-    if rng:
-        _restore_rng(ckpt_dir, rng)
+    if rng is not None:
+        rng_states.restore(rng)
     extra = dict(index.extra)
     extra.setdefault("step", index.step)
     return extra
@@ -127,21 +131,17 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]
     return [(name, tuple(t.shape)) for name, t in tensors.items()]
 
 
-def _read_states(
+def _prepare(
     ckpt_dir: Path,
     index: CheckpointIndex,
     model,
     optimizer,
     module_tensors: dict[str, torch.Tensor],
-    rng_file: str | None,
+    rng_meta: dict | None,
     checksums: bool,
-):
-    """Fill main weights and optimizer states of this rank's optimizer ranges, and the module's unsharded
-    tensors, verifying the files read.
-
-    Every file is checksummed and every piece located before the first buffer is
-    touched, so a damaged checkpoint is refused without clobbering the model.
-    """
+) -> tuple[list, rng_states.RngState | None]:
+    """What this rank reads, after checking every file it reads (headers, checksums; all files' sizes) and
+    reading its RNG state: (plan, RNG state). Nothing of the model is touched yet."""
     plan = []  # (kind, global name, start in the flat tensor, destination view)
     for gi, group in enumerate(model.groups):
         lo, hi = group.optim_range
@@ -156,16 +156,17 @@ def _read_states(
     for name, tensor in module_tensors.items():
         plan.append((UNSHARDED, name, 0, torch.empty(tensor.numel(), dtype=torch_dtype(index.unsharded[name].dtype))))
     reader = CheckpointReader(ckpt_dir, index)
-    files = {rng_file} if rng_file else set()
+    files = {rng_meta["file"]} if rng_meta else set()
     for kind, name, start, out in plan:
         files |= reader.files_for(kind, name, start, start + out.numel())
-    check_sizes(ckpt_dir, index)
-    if checksums:
-        check_files(ckpt_dir, index, files)
-    with reader:
-        for kind, name, start, out in plan:
-            reader.locate(kind, name, start, start + out.numel())
-    with reader, torch.no_grad():
+    check_present(ckpt_dir, index)
+    check_files(ckpt_dir, index, files, checksums=checksums)
+    return plan, rng_states.read(ckpt_dir, rng_meta) if rng_meta else None
+
+
+def _fill(ckpt_dir: Path, index: CheckpointIndex, model, optimizer, module_tensors, plan) -> None:
+    """Read the planned ranges into the main weights, the optimizer states and the module's unsharded tensors."""
+    with CheckpointReader(ckpt_dir, index) as reader, torch.no_grad():
         for gi in range(len(model.groups)):
             for kind, (buf, _) in buffers(model, optimizer, gi).items():
                 if kind != MODEL:
@@ -174,16 +175,3 @@ def _read_states(
             reader.read_into(kind, name, start, out)
             if kind == UNSHARDED:
                 module_tensors[name].copy_(out.view(module_tensors[name].shape))
-
-
-def _restore_rng(ckpt_dir: Path, meta: dict) -> None:
-    from safetensors import safe_open
-
-    with safe_open(str(ckpt_dir / meta["file"]), framework="pt") as f:
-        keys = set(f.keys())
-        if "rng/torch_cpu" in keys:
-            torch.set_rng_state(f.get_tensor("rng/torch_cpu"))
-        if "rng/torch_cuda" in keys and torch.cuda.is_available():
-            torch.cuda.set_rng_state(f.get_tensor("rng/torch_cuda"))
-    version, state, gauss = meta["python"]
-    random.setstate((version, tuple(state), gauss))

@@ -12,9 +12,8 @@ import torch
 
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import MAIN, MODEL, GroupSpec
+from hfsdp.ckpt.schema import HYPER_PARAMS
 from hfsdp.ckpt.writer import dtype_name
-
-HYPER_PARAMS = ("lr", "betas", "eps", "weight_decay", "momentum")
 
 
 def ep_rank_of(model, rank: int) -> int:

@@ -6,8 +6,11 @@ pages count towards the process's memory until the file is closed, so the
 reader closes every open file once `max_mapped_bytes` have been read through
 it: memory stays bounded by what is in flight, not by the model.
 
-Every problem is reported as a CheckpointError naming the file: a missing file,
-a key the index promises but the file lacks, a piece of the wrong length.
+Before a file is mapped, its header is parsed and checked by `headers.py` (the
+same check `files.check_files` runs), and every piece is compared with its
+header entry before it is read, so a piece the file does not hold as the index
+says is a CheckpointError naming the file, never a wrong read. A file must be a
+regular file of the directory, not a symlink.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.files import expected_piece
+from hfsdp.ckpt.headers import HeaderEntry, expect, read_header
 from hfsdp.ckpt.index import CheckpointIndex, Piece
+from hfsdp.ckpt.names import entry_kind, refuse_link
 from hfsdp.ckpt.pieces import intersect
-from hfsdp.ckpt.writer import SAFETENSORS_DTYPES
 
 
 class CheckpointReader:
@@ -31,6 +36,7 @@ class CheckpointReader:
         self.dir, self.index = Path(ckpt_dir), index
         self.max_mapped_bytes = max_mapped_bytes
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, dict[str, HeaderEntry]] = {}
         self._mapped = 0
 
     def entry(self, kind: str, name: str):
@@ -45,9 +51,7 @@ class CheckpointReader:
     def files_for(self, kind: str, name: str, start: int, stop: int) -> set[str]:
         return {p.file for p in self.entry(kind, name).pieces if intersect((p.start, p.stop), (start, stop))}
 
-    def chunks(
-        self, kind: str, name: str, start: int, stop: int, max_elems: int, read: bool = True
-    ) -> Iterator[torch.Tensor | None]:
+    def chunks(self, kind: str, name: str, start: int, stop: int, max_elems: int) -> Iterator[torch.Tensor]:
         """Consecutive 1-D chunks of at most `max_elems` elements covering [start, stop) of the flattened tensor."""
         entry = self.entry(kind, name)
         position = start
@@ -57,20 +61,16 @@ class CheckpointReader:
                 continue
             if hit[0] != position:
                 break
+            self._check(kind, name, entry.dtype, piece)
             for lo in range(hit[0], hit[1], max_elems):
                 hi = min(lo + max_elems, hit[1])
-                yield self._read(piece, entry.dtype, lo - piece.start, hi - piece.start, read)
+                yield self._read(piece, lo - piece.start, hi - piece.start)
                 position = hi
         if position != stop:
             raise CheckpointError(
                 f"The index of {self.dir} covers elements {start}..{position} of '{kind}' tensor '{name}' but not "
                 f"{position}..{stop}: the index is inconsistent. Run `hfsdp ckpt verify` and restore the checkpoint."
             )
-
-    def locate(self, kind: str, name: str, start: int, stop: int) -> None:
-        """Check that pieces covering [start, stop) exist in the files with the right lengths, reading nothing."""
-        for _ in self.chunks(kind, name, start, stop, 1 << 62, read=False):
-            pass
 
     def read_into(self, kind: str, name: str, start: int, out: torch.Tensor) -> None:
         """Fill `out` (1-D) with elements [start, start + len(out)) of the flattened tensor."""
@@ -79,30 +79,30 @@ class CheckpointReader:
             out[done : done + chunk.numel()].copy_(chunk)
             done += chunk.numel()
 
-    def _read(self, piece: Piece, dtype: str, lo: int, hi: int, read: bool = True) -> torch.Tensor | None:
+    def _check(self, kind: str, name: str, dtype: str, piece: Piece) -> None:
+        """The file holds `piece` as the index says (dtype, length), by its header, before anything is mapped."""
+        header = self._headers.get(piece.file)
+        if header is None:
+            path = self.dir / piece.file
+            kind_of_path = entry_kind(path)
+            if kind_of_path is None:
+                raise CheckpointError(
+                    f"{path} is missing: the index of {self.dir} lists it, so the checkpoint is incomplete. "
+                    "Restore the file from the machine or copy that wrote it."
+                )
+            refuse_link(path, kind_of_path, "shard")
+            header = self._headers[piece.file] = read_header(path)
+        expect(self.dir / piece.file, header, expected_piece(kind, name, dtype, piece))
+
+    def _read(self, piece: Piece, lo: int, hi: int) -> torch.Tensor:
         path = self.dir / piece.file
         handle = self._open(path, piece.file)
         try:
-            view = handle.get_slice(piece.key)
-            shape, code = view.get_shape(), view.get_dtype()
+            chunk = handle.get_slice(piece.key)[lo:hi]
         except SafetensorError as err:
             raise CheckpointError(
-                f"{path} has no tensor '{piece.key}' ({err}), but the index says it holds elements "
-                f"{piece.start}..{piece.stop} there: the index disagrees with the files. Restore the checkpoint."
+                f"{path} cannot be read at tensor '{piece.key}' ({err}); it is damaged. Restore it from a good copy."
             ) from None
-        if list(shape) != [piece.stop - piece.start]:
-            raise CheckpointError(
-                f"In {path}, tensor '{piece.key}' has shape {list(shape)} but the index records "
-                f"{piece.stop - piece.start} elements: the index disagrees with the files. Restore the checkpoint."
-            )
-        if code != SAFETENSORS_DTYPES.get(dtype):
-            raise CheckpointError(
-                f"In {path}, tensor '{piece.key}' has dtype {code} but the index records {dtype}: the index "
-                "disagrees with the files. Restore the checkpoint."
-            )
-        if not read:
-            return None
-        chunk = view[lo:hi]
         self._mapped += chunk.numel() * chunk.element_size()
         return chunk
 
@@ -111,11 +111,6 @@ class CheckpointReader:
             self.close()
         handle = self._handles.get(name)
         if handle is None:
-            if not path.is_file():
-                raise CheckpointError(
-                    f"{path} is missing: the index of {self.dir} lists it, so the checkpoint is incomplete. "
-                    "Restore the file from the machine or copy that wrote it."
-                )
             try:
                 handle = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as err:

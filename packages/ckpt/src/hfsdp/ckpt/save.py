@@ -3,21 +3,26 @@
 1. Ranks exchange their group structures (expert groups differ per ep rank) and
    plan the writes: each piece of each parameter is written once, by one of the
    replicas that hold it (`pieces.plan_writes`).
-2. Rank 0 makes `ROOT/.tmp-step-N-<nonce>/`; each rank streams its pieces of
-   every state kind, the unsharded module tensors it owns (buffers, frozen
-   parameters: rank 0 the dense ones) and its RNG state into
-   `rank-XXXXX.safetensors`, fsyncs.
-3. Ranks exchange checksums (or errors). Rank 0 writes `index.json`, fsyncs,
-   renames the directory to `ROOT/step-N/`, then replaces `ROOT/latest`.
+2. Rank 0 makes `ROOT/.tmp-step-N-<nonce>/` (and holds it locked, see
+   `staging.py`); each rank streams its pieces of every state kind, the
+   unsharded module tensors it owns (buffers, frozen parameters: rank 0 the
+   dense ones) and its RNG state into `rank-XXXXX.safetensors`, fsyncs.
+3. Ranks exchange checksums (or errors). Rank 0 writes `index.json` and its
+   checksum, fsyncs, renames the directory to `ROOT/step-N/`, then replaces
+   `ROOT/latest`.
 4. Rank 0 tells everyone how it went, so every rank returns or raises together.
 
 A crash before the rename leaves only a hidden temporary directory (removed by
-the next save); a crash after it leaves a complete checkpoint.
+the next save); a crash after it leaves a complete checkpoint that `latest`
+does not name yet: unpublished (`store.py`). Readers of the root keep using the
+step `latest` names, and a later save of the same step replaces the orphan: it
+is moved aside just before the new directory is renamed into place, and
+removed once `latest` names the new one. A published step is never replaced.
 """
 
 from __future__ import annotations
 
-import random
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -25,15 +30,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hfsdp.ckpt.agree import agree
-from hfsdp.ckpt.build import file_entries, index_tensors, index_unsharded, plan_unsharded, write_index
+from hfsdp.ckpt import rng as rng_states
+from hfsdp.ckpt.agree import agree, as_checkpoint_error
+from hfsdp.ckpt.build import file_entries, index_tensors, index_unsharded, plan_unsharded
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import canonical_groups, merged_order
-from hfsdp.ckpt.index import INDEX_NAME, MODEL, CheckpointIndex, TensorEntry, meshes_of
+from hfsdp.ckpt.index import MODEL, CheckpointIndex, TensorEntry, meshes_of
+from hfsdp.ckpt.index_file import write_index
 from hfsdp.ckpt.model_state import buffers, local_groups, local_order, optimizer_meta, state_kinds, unsharded_state
+from hfsdp.ckpt.names import entry_kind
 from hfsdp.ckpt.pieces import file_name, plan_writes, unsharded_owner
-from hfsdp.ckpt.store import TMP_PREFIX, atomic_write_text, publish_dir, remove_quietly, step_dir_name
+from hfsdp.ckpt.schema import INT64_MAX
+from hfsdp.ckpt.staging import Staging, clean_stale, publish_dir, remove_quietly, staging_pattern
+from hfsdp.ckpt.store import LATEST, TMP_PREFIX, atomic_write_text, is_unpublished, latest_step, step_dir_name
 from hfsdp.ckpt.writer import TensorFileWriter, dtype_name
+
+#: What killed saves leave in a root: staging directories, orphans moved aside, temporary `latest` files.
+LEFTOVERS = staging_pattern(r"(?:step-[0-9]+(?:-replaced)?|latest)")
 
 
 def save_checkpoint(
@@ -46,6 +59,7 @@ def save_checkpoint(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
+    agree(lambda: _check_step(step))
     final = root / step_dir_name(step)
     module_tensors = unsharded_state(model)
     mine = agree(lambda: (local_groups(model, rank), local_order(model), _specs(module_tensors)))
@@ -58,67 +72,79 @@ def save_checkpoint(
     kinds = state_kinds(optimizer)
     dtypes = agree(lambda: _dtypes(model, optimizer, groups))
 
-    tmp_name = [_make_tmp(root, final, step) if rank == 0 else None]
+    stage = _make_staging(root, final, step) if rank == 0 else None
+    tmp_name = [stage.path.name if isinstance(stage, Staging) else stage]
     dist.broadcast_object_list(tmp_name, src=0)
     if isinstance(tmp_name[0], CheckpointError):
         raise tmp_name[0]
     tmp = root / tmp_name[0]
-
-    rng = _rng_tensors() if save_rng else {}
     try:
-        owned = {name: module_tensors[name] for name in plan_unsharded(model.config, unsharded).get(rank, {})}
-        result: Any = _write_rank_file(tmp, model, optimizer, rank, plan[rank], kinds, dtypes, rng, owned)
-    except (OSError, CheckpointError) as err:
-        result = CheckpointError(f"Rank {rank} could not write its file in {tmp}: {err}")
-    results = [None] * world
-    dist.all_gather_object(results, result)
+        try:
+            rng = rng_states.capture() if save_rng else ({}, {})
+            owned = {name: module_tensors[name] for name in plan_unsharded(model.config, unsharded).get(rank, {})}
+            result: Any = _write_rank_file(tmp, model, optimizer, rank, plan[rank], kinds, dtypes, rng, owned)
+        except Exception as err:
+            reason = err if isinstance(err, CheckpointError | OSError) else f"{type(err).__name__}: {err}"
+            result = CheckpointError(
+                f"Rank {rank} could not write its file in {tmp} ({reason}); nothing was published and the previous "
+                "checkpoint is still the latest. Check free space and rights on that rank's node, then save again."
+            )
+        results = [None] * world
+        dist.all_gather_object(results, result)
 
-    status: list[Any] = [None]
-    if rank == 0:
-        index = CheckpointIndex(
-            step=step,
-            layout=model.config.to_dict(),
-            meshes=meshes_of(model.config),
-            extra=dict(extra or {}),
-            optimizer=optimizer_meta(optimizer),
-            groups=groups,
-            tensors={},
-            files={},
-            order=order,
-            unsharded=index_unsharded(model.config, unsharded),
-        )
-        status[0] = _publish(root, tmp, final, index, (plan, kinds, dtypes), results)
-    dist.broadcast_object_list(status, src=0)
+        status: list[Any] = [None]
+        if rank == 0:
+            try:
+                index = CheckpointIndex(
+                    step=step,
+                    layout=model.config.to_dict(),
+                    meshes=meshes_of(model.config),
+                    extra=dict(extra or {}),
+                    optimizer=optimizer_meta(optimizer),
+                    groups=groups,
+                    tensors={},
+                    files={},
+                    order=order,
+                    unsharded=index_unsharded(model.config, unsharded),
+                )
+                status[0] = _publish(root, tmp, final, index, (plan, kinds, dtypes), results)
+            except Exception as err:  # never leave the other ranks waiting for the broadcast
+                remove_quietly(tmp)
+                status[0] = as_checkpoint_error(err)
+        dist.broadcast_object_list(status, src=0)
+    finally:
+        if isinstance(stage, Staging):
+            stage.release()
     if isinstance(status[0], CheckpointError):
         raise status[0]
     return final
 
 
-def _make_tmp(root: Path, final: Path, step: int) -> str | CheckpointError:
-    if final.exists():
-        return CheckpointError(
-            f"{final} already exists; a save never overwrites a checkpoint. Save under another step, "
-            "or delete the old directory first."
-        )
+def _check_step(step) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT64_MAX:
+        raise CheckpointError(f"The step to save must be a non-negative whole number, got {step!r}.")
+
+
+def _make_staging(root: Path, final: Path, step: int) -> Staging | CheckpointError:
+    """Rank 0: refuse a published `final`, clear what killed saves left, and make (and lock) the staging directory."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in [*root.glob(f"{TMP_PREFIX}step-*"), *root.glob(f"{TMP_PREFIX}latest-*")]:  # crashed saves
-            if stale.is_dir():
-                remove_quietly(stale)
-            else:
-                stale.unlink(missing_ok=True)
-        name = f"{TMP_PREFIX}step-{step}-{secrets.token_hex(4)}"
-        (root / name).mkdir()
-        return name
+        kind = entry_kind(final)
+        if kind not in (None, "dir"):
+            return CheckpointError(
+                f"{final} exists and is not a directory but a {kind}; a save never replaces it. Remove it, or save "
+                "under another step."
+            )
+        if kind == "dir" and not is_unpublished(root, step):
+            return CheckpointError(
+                f"{final} already exists and is published ('{LATEST}' names step {latest_step(root)}); a save never "
+                "overwrites a published checkpoint. Save under another step, or delete the old directory first."
+            )
+        clean_stale(root, LEFTOVERS)
+        return Staging.create(root, f"step-{step}")
+    except CheckpointError as err:
+        return err
     except OSError as err:
         return CheckpointError(f"Cannot create a checkpoint directory in {root} ({err}); check the path and rights.")
-
-
-def _rng_tensors() -> dict[str, torch.Tensor]:
-    out = {"rng/torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["rng/torch_cuda"] = torch.cuda.get_rng_state()
-    return out
 
 
 def _dtypes(model, optimizer, groups) -> dict[tuple[str, str], str]:
@@ -163,7 +189,9 @@ def _unsharded_specs(cfg, reports: list[dict[str, TensorEntry]]) -> dict[str, Te
 
 def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, owned) -> dict[str, Any] | None:
     """Stream this rank's planned pieces of every kind, the unsharded tensors it owns (`owned`: global name ->
-    module tensor), then its RNG state; return the file's metadata."""
+    module tensor), then its RNG state (`rng`: the tensors and index record of `rng.capture`); return the file's
+    metadata and its RNG record."""
+    rng, rng_meta = rng
     entries = file_entries(items, kinds, dtypes, rng, _specs(owned))
     if not entries:
         return None
@@ -186,17 +214,18 @@ def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, own
     except BaseException:
         writer.abort()
         raise
-    state = random.getstate()
-    rng_meta = {"file": file_name(rank), "keys": list(rng), "python": [state[0], list(state[1]), state[2]]}
-    return {"file": file_name(rank), "entry": entry, "rng": rng_meta if rng else None}
+    record = {"file": file_name(rank), "keys": list(rng), **rng_meta} if rng else None
+    return {"file": file_name(rank), "entry": entry, "rng": record}
 
 
 def _publish(root, tmp, final, index, planned, results) -> CheckpointError | None:
-    """Rank 0: complete the index with the files, write it, rename, point `latest`; return the error, if any."""
+    """Rank 0: complete the index with the files, write it, rename (replacing an unpublished orphan of the same
+    step), point `latest`; return the error, if any."""
     failures = [r for r in results if isinstance(r, CheckpointError)]
     if failures:
         remove_quietly(tmp)
         return failures[0]
+    aside = None
     try:
         files, rng, has_file = {}, {}, set()
         for rank, result in enumerate(results):
@@ -210,15 +239,21 @@ def _publish(root, tmp, final, index, planned, results) -> CheckpointError | Non
         index.tensors = index_tensors(plan, index.groups, kinds, dtypes, has_file)
         index.files, index.rng = dict(sorted(files.items())), rng
         write_index(tmp, index)
+        if os.path.lexists(final):  # the orphan of a crashed save of this step (checked in _make_staging)
+            aside = root / f"{TMP_PREFIX}{final.name}-replaced-{secrets.token_hex(4)}"
+            os.rename(final, aside)
         publish_dir(tmp, final)
-        atomic_write_text(root / "latest", final.name + "\n")
-    except (OSError, TypeError, ValueError, CheckpointError) as err:
+        atomic_write_text(root / LATEST, final.name + "\n")
+    except Exception as err:
         remove_quietly(tmp)
+        if aside is not None and not os.path.lexists(final):
+            os.rename(aside, final)  # put the orphan back: the failed save changed nothing
         if isinstance(err, CheckpointError):
             return err
         return CheckpointError(
-            f"Could not write the index {tmp / INDEX_NAME} ({type(err).__name__}: {err}); nothing was published and "
-            "the previous checkpoint is still the latest. Check that `extra` is JSON-serialisable and the disk has "
-            "room."
+            f"Could not publish {final} ({type(err).__name__}: {err}); nothing was published and the previous "
+            f"checkpoint is still the latest. Check that the disk has room and {root} is writable."
         )
+    if aside is not None:
+        remove_quietly(aside)
     return None

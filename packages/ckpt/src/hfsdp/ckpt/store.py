@@ -1,11 +1,23 @@
-"""Where checkpoints live on disk, and the few file-system moves that make writing them atomic.
+"""Which checkpoint a path means: a root's `step-N/` directories and the `latest` file that publishes one.
 
-A root directory holds `step-N/` checkpoints and a `latest` file naming one.
-Everything is written into a hidden temporary directory first, fsynced, and
-renamed into place in one step; `latest` is replaced the same way afterwards.
-So at any moment a crash leaves either the old state or the new one: a
-directory without an index is never a checkpoint, and `latest` only ever names
-a directory that was complete before it was written.
+The rules (docs/checkpoints.md, "Guarantees"):
+
+- `latest` names the newest *published* step. A save replaces it atomically,
+  and only after the step's directory is complete and renamed into place, so
+  it never names a partial checkpoint.
+- A reader given a root follows `latest`, and nothing else: pointing `latest`
+  at an older step is how to roll back, and no reader second-guesses it.
+- Without `latest` (the very first save crashed between its rename and
+  writing `latest`, or the root was assembled by hand) the newest complete
+  `step-N` is used.
+- A `step-M` above the step `latest` names (any step, without `latest`) is
+  unpublished: the orphan of a save that crashed after its rename. Readers of
+  the root do not use it (it can still be read by naming it directly), and a
+  later save of step M replaces it (`save.py`); a published step is never
+  replaced.
+- `latest` is data from disk, so it must hold exactly `step-<N>` (no path,
+  nothing that could lead out of the root), and the step it names must be a
+  directory of the root, not a symlink.
 """
 
 from __future__ import annotations
@@ -13,19 +25,16 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
-from hfsdp.ckpt.checksum import file_checksum, short, split
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.index import INDEX_NAME, CheckpointIndex, FileEntry
+from hfsdp.ckpt.index import INDEX_NAME
+from hfsdp.ckpt.names import entry_kind, refuse_link
 
 LATEST = "latest"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,18})")
 TMP_PREFIX = ".tmp-"
+MAX_LATEST_BYTES = 64
 
 
 def step_dir_name(step: int) -> str:
@@ -33,30 +42,90 @@ def step_dir_name(step: int) -> str:
 
 
 def resolve(path: str | Path) -> Path:
-    """The checkpoint directory `path` means: itself, the one `latest` names, or the newest complete step."""
+    """The checkpoint directory `path` means: itself, the step `latest` names, or (no `latest`) the newest one."""
     path = Path(path)
-    if (path / INDEX_NAME).is_file():
+    if entry_kind(path / INDEX_NAME) is not None:
         return path
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint: no such directory. Check the path.")
-    latest = path / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        target = path / name
-        if not (target / INDEX_NAME).is_file():
-            raise CheckpointError(
-                f"{latest} names '{name}', but {target} is not a complete checkpoint (no {INDEX_NAME}); the "
-                "directory was removed or damaged after it was saved. Restore it, or point 'latest' at another step."
-            )
-        return target
-    steps = sorted(
-        (int(m[1]), p) for p in path.iterdir() if (m := STEP_DIR.match(p.name)) and (p / INDEX_NAME).is_file()
-    )
-    if steps:
-        return steps[-1][1]
+    step = latest_step(path)
+    if step is not None:
+        return _published(path, step)
+    newest = newest_complete(path)
+    if newest is not None:
+        return newest
     raise CheckpointError(
         f"{path} is not a checkpoint: it has no {INDEX_NAME}, no '{LATEST}' file and no complete step-N directory. "
         "Pass a checkpoint directory or a root that hfsdp saved into."
+    )
+
+
+def latest_step(root: Path) -> int | None:
+    """The step `root/latest` names; None when there is no `latest`; CheckpointError when it is damaged."""
+    latest = Path(root) / LATEST
+    kind = entry_kind(latest)
+    if kind is None:
+        return None
+    refuse_link(latest, kind, f"'{LATEST}' file")
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(MAX_LATEST_BYTES + 1)
+    except OSError as err:
+        raise CheckpointError(f"{latest} cannot be read ({err.strerror or err}); check its rights.") from None
+    text = raw.decode("utf-8", "replace").strip()
+    match = STEP_DIR.fullmatch(text) if len(raw) <= MAX_LATEST_BYTES else None
+    if match is None:
+        newest = newest_complete(Path(root))
+        hint = f"the newest complete one is {newest.name}" if newest else "there is no complete one"
+        raise CheckpointError(
+            f"{latest} holds {text[:80]!r}, which is not the name of a step directory of {root} ('step-<N>'); a path "
+            f"such as '../x' or '/x' would lead out of the root. Write the name of a complete step into it ({hint}), "
+            "or remove it."
+        )
+    return int(match[1])
+
+
+def is_unpublished(root: Path, step: int) -> bool:
+    """Whether `root/step-{step}` is not (yet) published: above the step `latest` names, or there is no `latest`."""
+    latest = latest_step(root)
+    return latest is None or step > latest
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The `step-N` directory of `root` with the highest N that has an index; a symlinked one is refused."""
+    try:
+        entries = [(int(m[1]), e) for e in os.scandir(root) if (m := STEP_DIR.fullmatch(e.name))]
+    except OSError as err:
+        raise CheckpointError(f"Cannot list {root} ({err.strerror or err}); check the path and rights.") from None
+    for _, entry in sorted(entries, key=lambda item: item[0], reverse=True):
+        path = Path(entry.path)
+        if entry.is_symlink():
+            _refuse_linked_step(path)
+        if entry.is_dir(follow_symlinks=False) and entry_kind(path / INDEX_NAME) is not None:
+            return path
+    return None
+
+
+def _published(root: Path, step: int) -> Path:
+    target = root / step_dir_name(step)
+    kind = entry_kind(target)
+    if kind == "symlink":
+        _refuse_linked_step(target)
+    if kind != "dir" or entry_kind(target / INDEX_NAME) is None:
+        newest = newest_complete(root)
+        hint = f" (the newest complete one is {newest.name})" if newest and newest != target else ""
+        raise CheckpointError(
+            f"{root / LATEST} names '{target.name}', but {target} is not a complete checkpoint (no {INDEX_NAME}); the "
+            f"directory was removed or damaged after it was saved. Restore it, or point '{LATEST}' at another "
+            f"step{hint}."
+        )
+    return target
+
+
+def _refuse_linked_step(path: Path) -> None:
+    raise CheckpointError(
+        f"{path} is a symbolic link; a step directory must be a directory of its root, since a link could point "
+        "anywhere. Replace the link by the directory itself, or point 'latest' at another step."
     )
 
 
@@ -77,112 +146,3 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-def temp_dir_for(final: Path, label: str) -> Path:
-    """A fresh hidden directory next to `final`, so the closing rename stays on one file system."""
-    tmp = final.parent / f"{TMP_PREFIX}{label}-{secrets.token_hex(4)}"
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    except OSError as err:
-        raise write_failed(final, err) from None
-    return tmp
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished `tmp` directory to `final` (which must not exist) and make the rename durable."""
-    fsync_dir(tmp)
-    if final.exists():
-        raise CheckpointError(
-            f"{final} appeared while it was being written; another process writes there. Nothing was overwritten; "
-            f"the finished result was removed. Choose another destination."
-        )
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-
-
-def write_failed(dst: Path, err: OSError) -> CheckpointError:
-    """The error for a file-system failure while writing `dst` (whose hidden directory was removed)."""
-    return CheckpointError(
-        f"Writing {dst} failed ({err.strerror or err}{f': {err.filename}' if err.filename else ''}); nothing was left "
-        "there and the source is unchanged. Check free space and rights, then run again."
-    )
-
-
-@contextmanager
-def staged_dir(final: Path, label: str):
-    """A hidden directory next to `final` to write into: renamed to `final` when the block succeeds,
-    removed when it fails, so no half-written result is ever left (an OSError names `final`)."""
-    tmp = temp_dir_for(final, label)
-    try:
-        yield tmp
-        publish_dir(tmp, final)
-    except OSError as err:
-        remove_quietly(tmp)
-        raise write_failed(final, err) from None
-    except BaseException:
-        remove_quietly(tmp)
-        raise
-
-
-def remove_quietly(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def ensure_absent(path: Path, what: str) -> None:
-    if path.exists():
-        raise CheckpointError(
-            f"The destination {path} already exists; {what} never overwrites anything. "
-            "Remove it or choose another destination."
-        )
-
-
-def checksum_like(path: Path, expected: FileEntry, chunk: int = 8 << 20) -> FileEntry:
-    """The size and checksum of the file at `path`, computed with the algorithm `expected` records."""
-    algorithm, _ = split(expected.checksum)
-    return FileEntry(*file_checksum(path, algorithm, chunk))
-
-
-def check_files(
-    ckpt_dir: Path, index: CheckpointIndex, names: Iterable[str] | None = None, threads: int = 1, chunk: int = 8 << 20
-) -> int:
-    """Check size and checksum of `names` (default: every file of the index), reading `chunk` bytes at a time."""
-    names = sorted(index.files if names is None else set(names))
-    check_sizes(ckpt_dir, index, names)
-
-    def digest(name: str) -> tuple[str, FileEntry]:
-        return name, checksum_like(ckpt_dir / name, index.files[name], chunk)
-
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        for name, got in pool.map(digest, names):
-            if got.checksum != index.files[name].checksum:
-                raise CheckpointError(
-                    f"{ckpt_dir / name} does not match its checksum in the index ({short(got.checksum)} instead "
-                    f"of {short(index.files[name].checksum)}): its contents changed after it was written (a flipped "
-                    "bit, a partial copy, an edit). Restore it from a good copy."
-                )
-    return sum(index.files[n].bytes for n in names)
-
-
-def check_sizes(ckpt_dir: Path, index: CheckpointIndex, names: Iterable[str] | None = None) -> None:
-    """Every file of `names` (default: all the index lists) exists with the recorded size: no shard is missing."""
-    for name in sorted(index.files if names is None else names):
-        if name not in index.files:
-            raise CheckpointError(
-                f"The index of {ckpt_dir} refers to '{name}' but lists no checksum for it; the index disagrees "
-                "with itself. Restore the checkpoint from a copy or re-save it."
-            )
-        path = ckpt_dir / name
-        if not path.is_file():
-            raise CheckpointError(
-                f"{path} is missing: the index of {ckpt_dir} lists it, so the checkpoint is incomplete (a shard was "
-                "deleted or not copied). Restore the file from the machine or copy that wrote it."
-            )
-        expected = index.files[name]
-        size = path.stat().st_size
-        if size != expected.bytes:
-            raise CheckpointError(
-                f"{path} has {size} bytes but the index of {ckpt_dir} records {expected.bytes}: the file is "
-                f"{'truncated' if size < expected.bytes else 'longer than written'}. Restore it from a good copy."
-            )

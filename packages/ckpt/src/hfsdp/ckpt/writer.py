@@ -23,25 +23,9 @@ from pathlib import Path
 import torch
 
 from hfsdp.ckpt.checksum import ALGORITHM, new_hasher, render
+from hfsdp.ckpt.dtypes import DTYPES, safetensors_code
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import FileEntry
-
-#: torch dtype name -> safetensors dtype code.
-SAFETENSORS_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
-
 
 #: Every this many bytes written, the writer asks the kernel to start writing them to disk.
 WRITEBACK_BYTES = 32 << 20
@@ -81,9 +65,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    """The torch dtype of a dtype name of the index (the schema allows only the names of `dtypes.DTYPES`)."""
+    dtype = getattr(torch, name, None) if name in DTYPES else None
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"The checkpoint names dtype '{name}', which this torch does not know.")
+        raise CheckpointError(f"The checkpoint names dtype '{name}', which this hfsdp and torch do not know.")
     return dtype
 
 
@@ -97,7 +82,7 @@ class TensorFileWriter:
         offset = 0
         for key, dtype, shape in entries:
             nbytes = math.prod(shape) * torch_dtype(dtype).itemsize
-            code = SAFETENSORS_DTYPES[dtype]
+            code = safetensors_code(dtype)
             header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._sizes.append((key, nbytes))
             offset += nbytes

@@ -2,8 +2,14 @@
 
 Exit codes: 0 done; 1 the target layout is invalid (every problem printed);
 2 the checkpoint or destination is at fault (one paragraph naming the file and
-the fix, never a traceback). torch and safetensors are imported inside the
-commands, so `hfsdp --help` stays instant.
+the fix, never a traceback). With `--format json`, inspect and verify print one
+JSON object on stdout whatever happens: the result with "ok": true, or
+{"ok": false, "error": "..."} with exit code 2.
+
+Names and paths read from a checkpoint are data: every text line printed goes
+through `printable`, so an escape sequence in a tensor name shows as `\x1b`
+instead of reaching the terminal. torch is imported only by the commands that
+need it (reshard, export); `hfsdp --help`, inspect and verify stay fast.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+
+from hfsdp.ckpt.text import printable
 
 EXIT_OK, EXIT_INVALID_LAYOUT, EXIT_CHECKPOINT = 0, 1, 2
 MIB = 1 << 20
@@ -41,24 +49,41 @@ class OutputFormat(StrEnum):
 
 
 def _console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, soft_wrap=True, highlight=False)
+    return Console(stderr=stderr, soft_wrap=True, highlight=False, emoji=False)
 
 
-def _fail(command: str, message: str) -> typer.Exit:
-    _console(stderr=True).print(f"hfsdp ckpt {command}: {message}", markup=False)
+def _say(console: Console, text: str) -> None:
+    """Print one line, its non-printable characters escaped (names in it may come from a file), and so are the
+    characters the output's encoding cannot hold (an ASCII terminal)."""
+    encoding = console.encoding or "utf-8"
+    console.print(printable(text).encode(encoding, "backslashreplace").decode(encoding), markup=False)
+
+
+def _fail(command: str, message: str, as_json: bool) -> typer.Exit:
+    if as_json:
+        typer.echo(json.dumps({"ok": False, "error": printable(message)}))
+    else:
+        _say(_console(stderr=True), f"hfsdp ckpt {command}: {message}")
     return typer.Exit(EXIT_CHECKPOINT)
 
 
-def _guarded(command: str, fn):
-    """Run `fn`, turning every checkpoint or file-system failure into one paragraph and exit code 2."""
+def _guarded(command: str, fn, as_json: bool = False):
+    """Run `fn`, turning every failure into one paragraph (or JSON object) and exit code 2, never a traceback."""
     from hfsdp.ckpt import CheckpointError
 
     try:
         return fn()
     except CheckpointError as err:
-        raise _fail(command, str(err)) from None
+        raise _fail(command, str(err), as_json) from None
     except OSError as err:
-        raise _fail(command, f"{err.filename or 'a file'}: {err.strerror or err}; check the path and rights.") from None
+        where = err.filename or "a file"
+        raise _fail(command, f"{where}: {err.strerror or err}; check the path and rights.", as_json) from None
+    except Exception as err:  # a bug: still one paragraph, with what a report needs
+        message = (
+            f"internal error ({type(err).__name__}: {err}); this is a bug in hfsdp, not (only) a damaged "
+            "checkpoint. Please report it with the command line and the checkpoint's index.json."
+        )
+        raise _fail(command, message, as_json) from None
 
 
 def _progress(label: str):
@@ -112,9 +137,9 @@ def reshard(
             raise typer.Exit(EXIT_INVALID_LAYOUT) from None
         # The batch sizes are the training loop's business, not the checkpoint's: drop them, say so.
         target = LayoutConfig(**{**fields, "global_batch_size": None, "micro_batch_size": None})
-        _console(stderr=True).print(
+        _say(
+            _console(stderr=True),
             "note: the source's global/micro batch sizes do not fit the new world size; the target records none.",
-            markup=False,
         )
     bar, update = _progress("reshard")
     with bar:
@@ -124,19 +149,19 @@ def reshard(
                 src, dst, target, io_threads=io_threads, memory_budget_bytes=memory_budget * MIB, progress=update
             ),
         )
-    _console().print(
+    _say(
+        _console(),
         f"Resharded {result.source} ({index.config().layout_name}, world {index.layout['world_size']}) to {dst} "
         f"({target.layout_name}, world {target.world_size}): {result.files} files, {result.bytes_written / 1e9:.3f} GB "
         f"in {result.seconds:.2f} s ({result.gb_per_s:.2f} GB/s).",
-        markup=False,
     )
 
 
 def _report_invalid(err) -> None:
     console = _console(stderr=True)
-    console.print(f"hfsdp ckpt reshard: the target layout is invalid ({len(err.problems)} problem(s)):", markup=False)
+    _say(console, f"hfsdp ckpt reshard: the target layout is invalid ({len(err.problems)} problem(s)):")
     for p in err.problems:
-        console.print(f"  - {p.field}: {p.message}", markup=False)
+        _say(console, f"  - {p.field}: {p.message}")
 
 
 @app.command()
@@ -158,10 +183,10 @@ def export(
                 src, out, dtype.value, max_shard_bytes=max_shard_size * MIB, io_threads=io_threads, progress=update
             ),
         )
-    _console().print(
+    _say(
+        _console(),
         f"Exported {result.tensors} tensors ({dtype.value}) to {out}: {result.files} file(s), "
         f"{result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s.",
-        markup=False,
     )
 
 
@@ -175,9 +200,10 @@ def inspect(
     """Show a checkpoint's layout, step, optimizer, tensors and files."""
     from hfsdp.ckpt import inspect as do_inspect
 
-    info = _guarded("inspect", lambda: do_inspect(path))
-    if output_format is OutputFormat.json:
-        typer.echo(json.dumps(info, indent=2))
+    as_json = output_format is OutputFormat.json
+    info = _guarded("inspect", lambda: do_inspect(path), as_json)
+    if as_json:
+        typer.echo(json.dumps({"ok": True, **info}, indent=2))
     else:
         _print_inspect(info)
 
@@ -187,8 +213,9 @@ def _print_inspect(info: dict[str, Any]) -> None:
 
     console = _console()
     layout = info["layout"]
-    say = lambda text: console.print(text, markup=False)  # noqa: E731
-    say(f"{info['path']}: step {info['step']}")
+    say = lambda text: _say(console, text)  # noqa: E731
+    unsealed = "" if info["index_checksum"] else f" (format version {info['version']}: the index has no checksum)"
+    say(f"{info['path']}: step {info['step']}{unsealed}")
     say(f"Layout: {layout['name']}, world size {layout['world_size']}")
     if layout.get("num_moe_experts"):
         say(f"Experts: {layout['num_moe_experts']}, ep {layout['ep']}")
@@ -217,15 +244,24 @@ def _print_inspect(info: dict[str, Any]) -> None:
 @app.command()
 def verify(
     path: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
+    output_format: Annotated[OutputFormat, typer.Option("--format", help="text for people, json for scripts.")] = (
+        OutputFormat.text
+    ),
 ) -> None:
-    """Check every file's checksum and that the index agrees with the files; exit 2 on the first problem."""
+    """Check the index, every file's header and checksum, and that they agree; exit 2 on the first problem."""
     from hfsdp.ckpt import verify as do_verify
 
+    as_json = output_format is OutputFormat.json
     started = time.perf_counter()
-    summary = _guarded("verify", lambda: do_verify(path))
-    _console().print(
-        f"{summary['path']} is intact: {summary['files']} files, {summary['bytes']:,} bytes, {summary['tensors']} "
-        f"tensors x {len(summary['kinds'])} kinds ({', '.join(summary['kinds'])}) checked in "
-        f"{time.perf_counter() - started:.2f} s.",
-        markup=False,
+    summary = _guarded("verify", lambda: do_verify(path), as_json)
+    seconds = time.perf_counter() - started
+    if as_json:
+        typer.echo(json.dumps({"ok": True, **summary, "seconds": round(seconds, 3)}, indent=2))
+        return
+    unsealed = "" if summary["index_checksum"] else f" (format version {summary['version']}: index not checksummed)"
+    _say(
+        _console(),
+        f"{summary['path']} is intact{unsealed}: {summary['files']} files, {summary['bytes']:,} bytes, "
+        f"{summary['tensors']} tensors x {len(summary['kinds'])} kinds ({', '.join(summary['kinds'])}) checked in "
+        f"{seconds:.2f} s.",
     )

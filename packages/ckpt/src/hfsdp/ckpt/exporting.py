@@ -6,8 +6,11 @@ state-dict names (experts by global index, i.e. the names with ep = 1), and
 `model.safetensors.index.json` mapping each name to its file. Weights come from
 the fp32 main weights, cast to the requested dtype chunk by chunk, so memory
 stays within the budget however large a tensor is; buffers and frozen
-parameters from their own whole copy (integer ones keep their dtype). Written atomically like
-everything else: a hidden directory next to OUT, renamed when complete.
+parameters from their own whole copy (integer ones keep their dtype). The source
+passes every reader's checks first (index, headers, checksums), OUT must not
+exist and must lie apart from the source; the files are written into a hidden
+directory next to OUT, each read back and checksummed after writing, and the
+directory is renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from pathlib import Path
 
 import torch
 
-from hfsdp.ckpt.build import Progress, slice_bytes
+from hfsdp.ckpt.build import Progress, reverify, slice_bytes
 from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.files import check_files
 from hfsdp.ckpt.groups import model_order
-from hfsdp.ckpt.index import MAIN, UNSHARDED, read_index
+from hfsdp.ckpt.index import MAIN, UNSHARDED
+from hfsdp.ckpt.index_file import read_index
 from hfsdp.ckpt.reader import CheckpointReader
-from hfsdp.ckpt.store import check_files, ensure_absent, resolve, staged_dir
+from hfsdp.ckpt.staging import check_apart, ensure_absent, staged_dir
+from hfsdp.ckpt.store import resolve
 from hfsdp.ckpt.writer import TensorFileWriter, dtype_name, torch_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,11 +64,10 @@ def export(
     started = time.perf_counter()
     out = Path(out)
     target = _dtype(dtype)
-    ensure_absent(out, "export")
     src_dir = resolve(src)
+    check_apart([Path(src), src_dir], out, "export")
+    ensure_absent(out, "export")
     index = read_index(src_dir)
-    if MAIN not in index.tensors:
-        raise CheckpointError(f"The checkpoint {src_dir} holds no main weights; it cannot be exported.")
     piece = slice_bytes(memory_budget_bytes, io_threads)
     check_files(src_dir, index, threads=io_threads, chunk=min(8 << 20, piece))
     tensors = [_exported(index, name, shape, target) for name, shape in model_order(index)]
@@ -85,10 +90,11 @@ def export(
                             done[0] += chunk.numel() * t.dtype.itemsize
                             if progress is not None:
                                 progress(done[0], total)
-            writer.finish()
+            written = writer.finish()
         except BaseException:
             writer.abort()
             raise
+        reverify(tmp / file, written, chunk_elems * 8)
 
     with staged_dir(out, "export") as tmp:
         with ThreadPoolExecutor(max(1, io_threads)) as pool:

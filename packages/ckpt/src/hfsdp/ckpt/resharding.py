@@ -4,9 +4,12 @@ The target's groups come from the source index (`groups.retarget_groups`), its
 files from the same plan an online save of the target would make
 (`pieces.plan_writes`), and their bytes from lazy slices of the source
 (`reader.py`), streamed by a thread pool within a memory budget
-(`build.write_layout`). The source is checksummed first and never written; the
-result is written into a hidden directory next to DST, checksummed again, and
-renamed into place only when complete, so no failure leaves a DST behind.
+(`build.write_layout`). Before a byte is written, the source passes every
+reader's checks (its index through `index_file.read_index`, its files through
+`files.check_files`: headers and checksums), the destination must not exist and
+must lie apart from the source. The result is written into a hidden directory
+next to DST, read back and checksummed again, and renamed into place only when
+complete, so no failure leaves a DST behind and the source is never written.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfsdp.ckpt.build import Progress, slice_bytes, write_index, write_layout
+from hfsdp.ckpt import rng as rng_states
+from hfsdp.ckpt.build import Progress, slice_bytes, write_layout
 from hfsdp.ckpt.errors import CheckpointError
+from hfsdp.ckpt.files import check_files
 from hfsdp.ckpt.groups import retarget_groups
-from hfsdp.ckpt.index import CheckpointIndex, meshes_of, read_index
+from hfsdp.ckpt.index import CheckpointIndex, meshes_of
+from hfsdp.ckpt.index_file import read_index, write_index
 from hfsdp.ckpt.reader import CheckpointReader
-from hfsdp.ckpt.store import check_files, ensure_absent, resolve, staged_dir
+from hfsdp.ckpt.staging import check_apart, ensure_absent, staged_dir
+from hfsdp.ckpt.store import resolve
 from hfsdp.core.config import LayoutConfig
 
 
@@ -50,8 +57,9 @@ def reshard(
     """Write the checkpoint `src` (a checkpoint or a root) as a checkpoint of layout `target` at `dst`."""
     started = time.perf_counter()
     dst = Path(dst)
-    ensure_absent(dst, "reshard")
     src_dir = resolve(src)
+    check_apart([Path(src), src_dir], dst, "reshard")
+    ensure_absent(dst, "reshard")
     index = read_index(src_dir)
     _check_target(src_dir, index, target)
     piece = slice_bytes(memory_budget_bytes, io_threads)
@@ -82,7 +90,7 @@ def reshard(
             groups=groups,
             tensors=tensors,
             files=files,
-            rng=dict(index.rng) if index.layout.get("world_size") == target.world_size else {},
+            rng=dict(index.rng) if index.layout["world_size"] == target.world_size else {},
             order=list(index.order),
             unsharded=unsharded,
         )
@@ -103,12 +111,6 @@ def _check_target(src_dir: Path, index: CheckpointIndex, target: LayoutConfig) -
 
 def _same_rank_rng(src_dir: Path, index: CheckpointIndex, target: LayoutConfig):
     """Rank r keeps rank r's RNG state when the world size is unchanged; otherwise there is no sensible mapping."""
-    if index.layout.get("world_size") != target.world_size or not index.rng:
+    if index.layout["world_size"] != target.world_size or not index.rng:
         return None
-    from safetensors import safe_open
-
-    out = {}
-    for rank, meta in index.rng.items():
-        with safe_open(str(src_dir / meta["file"]), framework="pt") as f:
-            out[int(rank)] = {key: f.get_tensor(key) for key in meta["keys"]}
-    return out
+    return {int(rank): rng_states.read_tensors(src_dir, meta) for rank, meta in index.rng.items()}

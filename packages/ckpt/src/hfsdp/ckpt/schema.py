@@ -1,0 +1,387 @@
+"""The schema of index.json: every field's type, bounds and known keys, checked in one pass.
+
+An index is read from disk, so until it is checked it is data, not a promise:
+a number may be 1e999 or a float where a count belongs, a dtype may be one
+hfsdp has never heard of, a file name may lead out of the directory, a layout
+may carry keys no LayoutConfig takes. `parse_index` walks the JSON once and
+builds a `CheckpointIndex` only from values that passed: integers are whole,
+non-negative and fit in int64, numbers are finite, strings are bounded and
+printable where they become names, dtypes and keys are known ones, and every
+object has exactly the keys the format defines. A problem raises SchemaError
+naming the field (`tensors.main['layers.0.up.weight'].pieces[0][2]`); the
+reader turns it into a CheckpointError naming the file.
+
+How the fields agree with each other (pieces covering their tensor, every
+kind listing the same tensors) is the next gate, `structure.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields as dataclass_fields
+from typing import Any
+
+from hfsdp.ckpt.checksum import UnknownChecksum, split
+from hfsdp.ckpt.dtypes import DTYPES
+from hfsdp.ckpt.index import (
+    FORMAT,
+    READABLE_VERSIONS,
+    UNSHARDED,
+    CheckpointIndex,
+    FileEntry,
+    GroupSpec,
+    Piece,
+    TensorEntry,
+)
+from hfsdp.ckpt.names import plain_name_problem
+
+INT64_MAX = 2**63 - 1
+#: Layout sizes (world size, experts, batch sizes) above this are not a training job but damage.
+MAX_LAYOUT_INT = 2**31 - 1
+#: Longest tensor name, safetensors key, kind or optimizer type.
+MAX_TEXT = 4096
+MAX_NDIM = 64
+#: Hyper-parameters an optimizer record may carry (`model_state.optimizer_meta` writes these).
+HYPER_PARAMS = ("lr", "betas", "eps", "weight_decay", "momentum")
+#: RNG states kept as tensors in a rank's file.
+RNG_KEYS = ("rng/torch_cpu", "rng/torch_cuda")
+MT_WORDS = 624  # the Mersenne Twister state of Python's and NumPy's generators
+
+TOP_REQUIRED = ("format", "version", "step", "layout", "meshes", "groups", "tensors", "files")
+TOP_OPTIONAL = ("extra", "optimizer", "rng", "order", "unsharded")
+
+
+class SchemaError(ValueError):
+    """The index is not what the format allows; `str(err)` names the field and the problem.
+
+    `fix` replaces the usual advice (restore or re-save) when there is a better one.
+    """
+
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(message)
+        self.fix = fix
+
+
+def parse_index(data: Any) -> CheckpointIndex:
+    """Check every field of the parsed JSON `data` and build the index from it; raise SchemaError otherwise."""
+    top = _object(data, "the index", TOP_REQUIRED, TOP_OPTIONAL)
+    if top["format"] != FORMAT:
+        raise SchemaError(f"format is {_show(top['format'])}, not {FORMAT!r}: this is not an hfsdp checkpoint index")
+    version = top["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READABLE_VERSIONS:
+        raise SchemaError(
+            f"version is {_show(version)}, but this hfsdp reads format versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}",
+            fix="Read it with the hfsdp release that wrote it, or convert it there.",
+        )
+    layout = _layout(top["layout"])
+
+    def optional(key: str, empty):
+        """An optional field: absent or null means empty (older versions lack some); any other value is checked."""
+        value = top.get(key)
+        return empty if value is None else value
+
+    return CheckpointIndex(
+        step=_int(top["step"], "step"),
+        layout=layout,
+        meshes=_meshes(top["meshes"]),
+        extra=_extra(optional("extra", {})),
+        optimizer=_optimizer(top.get("optimizer")),
+        groups=[_group(g, f"groups[{i}]") for i, g in enumerate(_array(top["groups"], "groups"))],
+        tensors={
+            _kind(kind, "tensors"): _entries(entries, f"tensors.{kind}")
+            for kind, entries in _object(top["tensors"], "tensors").items()
+        },
+        files={
+            _file_name(name, "files"): _file_entry(entry, f"files[{name!r}]", version)
+            for name, entry in _object(top["files"], "files").items()
+        },
+        rng={_rank(rank): _rng(meta, f"rng[{rank!r}]") for rank, meta in _object(optional("rng", {}), "rng").items()},
+        order=[_text(n, f"order[{i}]") for i, n in enumerate(_array(optional("order", []), "order"))],
+        unsharded=_entries(optional("unsharded", {}), "unsharded"),
+        version=version,
+    )
+
+
+# -- the parts of an index ----------------------------------------------------------------
+
+
+def _layout(value: Any) -> dict[str, Any]:
+    from hfsdp.core.config import ConfigError, LayoutConfig  # torch-free
+
+    optional = tuple(f.name for f in dataclass_fields(LayoutConfig) if f.name != "world_size")
+    layout = _object(value, "layout", ("world_size",), optional)
+    for name, item in layout.items():  # LayoutConfig checks the rest; first keep its inputs small
+        if isinstance(item, str):
+            _text(item, f"layout.{name}", 64)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            _int(item, f"layout.{name}", MAX_LAYOUT_INT)
+        elif item is not None:
+            raise SchemaError(f"layout.{name} is {_kind_of(item)}, where the format has a number, a name or null")
+    try:
+        LayoutConfig(**layout)
+    except ConfigError as err:
+        raise SchemaError(f"layout is not a valid layout: {'; '.join(p.message for p in err.problems)}") from None
+    return dict(layout)
+
+
+def _meshes(value: Any) -> dict[str, Any]:
+    meshes = _object(value, "meshes", ("dense",), ("expert",))
+    out: dict[str, Any] = {"dense": _mesh(meshes["dense"], "meshes.dense", ())}
+    out["expert"] = None if meshes.get("expert") is None else _mesh(meshes["expert"], "meshes.expert", ("ep",))
+    return out
+
+
+def _mesh(value: Any, path: str, optional: tuple[str, ...]) -> dict[str, Any]:
+    mesh = _object(value, path, ("names", "shape"), optional)
+    out: dict[str, Any] = {
+        "names": [_text(n, f"{path}.names[{i}]", 64) for i, n in enumerate(_array(mesh["names"], f"{path}.names", 8))],
+        "shape": list(_shape(mesh["shape"], f"{path}.shape")),
+    }
+    if "ep" in mesh:
+        out["ep"] = _int(mesh["ep"], f"{path}.ep", MAX_LAYOUT_INT)
+    return out
+
+
+def _extra(value: Any) -> dict[str, Any]:
+    """The caller's free-form dict; only "step", which `load_checkpoint` hands back as the step, is typed."""
+    extra = _object(value, "extra")
+    if "step" in extra:
+        _int(extra["step"], "extra.step")
+    return dict(extra)
+
+
+def _optimizer(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    opt = _object(value, "optimizer", ("type", "step_count", "hyper", "states"))
+    hyper = _object(opt["hyper"], "optimizer.hyper", (), HYPER_PARAMS)
+    checked: dict[str, Any] = {}
+    for name, item in hyper.items():
+        path = f"optimizer.hyper.{name}"
+        if name == "betas":
+            checked[name] = [_number(b, f"{path}[{i}]") for i, b in enumerate(_array(item, path, 2, exact=True))]
+        else:
+            checked[name] = _number(item, path)
+    return {
+        "type": _text(opt["type"], "optimizer.type", 256),
+        "step_count": _int(opt["step_count"], "optimizer.step_count"),
+        "hyper": checked,
+        "states": [_kind(s, f"optimizer.states[{i}]") for i, s in enumerate(_array(opt["states"], "optimizer.states"))],
+    }
+
+
+def _group(value: Any, path: str) -> GroupSpec:
+    group = _object(value, path, ("unit_index", "is_expert", "dtype", "ep_rank", "members"))
+    members = []
+    for i, member in enumerate(_array(group["members"], f"{path}.members")):
+        name, shape = _array(member, f"{path}.members[{i}]", 2, exact=True)
+        members.append((_text(name, f"{path}.members[{i}][0]"), _shape(shape, f"{path}.members[{i}][1]")))
+    ep_rank = group["ep_rank"]
+    return GroupSpec(
+        _int(group["unit_index"], f"{path}.unit_index"),
+        _bool(group["is_expert"], f"{path}.is_expert"),
+        _dtype(group["dtype"], f"{path}.dtype"),
+        None if ep_rank is None else _int(ep_rank, f"{path}.ep_rank", MAX_LAYOUT_INT),
+        tuple(members),
+    )
+
+
+def _entries(value: Any, path: str) -> dict[str, TensorEntry]:
+    out = {}
+    for name, entry in _object(value, path).items():
+        where = f"{path}[{_text(name, path)!r}]"
+        tensor = _object(entry, where, ("shape", "dtype", "pieces"))
+        pieces = []
+        for i, piece in enumerate(_array(tensor["pieces"], f"{where}.pieces")):
+            at = f"{where}.pieces[{i}]"
+            file, key, start, stop = _array(piece, at, 4, exact=True)
+            pieces.append(
+                Piece(
+                    _file_name(file, f"{at}[0]"),
+                    _text(key, f"{at}[1]"),
+                    _int(start, f"{at}[2]"),
+                    _int(stop, f"{at}[3]"),
+                )
+            )
+        out[name] = TensorEntry(
+            _shape(tensor["shape"], f"{where}.shape"), _dtype(tensor["dtype"], f"{where}.dtype"), pieces
+        )
+    return out
+
+
+def _file_entry(value: Any, path: str, version: int) -> FileEntry:
+    if version == 1:  # hfsdp 0.1 wrote bare sha256 digests
+        entry = _object(value, path, ("sha256", "bytes"))
+        checksum = f"sha256:{_text(entry['sha256'], f'{path}.sha256', 64)}"
+    else:
+        entry = _object(value, path, ("checksum", "bytes"))
+        checksum = _text(entry["checksum"], f"{path}.checksum", 128)
+    try:
+        split(checksum)
+    except UnknownChecksum as err:
+        raise SchemaError(f"{path}: {err}") from None
+    return FileEntry(checksum, _int(entry["bytes"], f"{path}.bytes"))
+
+
+def _rank(value: str) -> str:
+    if not (value.isascii() and value.isdigit()) or len(value) > 10 or (len(value) > 1 and value[0] == "0"):
+        raise SchemaError(f"rng has the key {_show(value)}, which is not a rank number")
+    return value
+
+
+def _rng(value: Any, path: str) -> dict[str, Any]:
+    """One rank's RNG record: its file and tensor keys, and Python's (and NumPy's) generator state."""
+    meta = _object(value, path, ("file", "keys", "python"), ("numpy",))
+    keys = [_text(k, f"{path}.keys[{i}]", 64) for i, k in enumerate(_array(meta["keys"], f"{path}.keys", 8))]
+    for key in keys:
+        if key not in RNG_KEYS:
+            raise SchemaError(
+                f"{path}.keys lists {key!r}, which is not an RNG state hfsdp saves ({', '.join(RNG_KEYS)})"
+            )
+    if len(set(keys)) != len(keys):
+        raise SchemaError(f"{path}.keys lists a key twice")
+    out = {
+        "file": _file_name(meta["file"], f"{path}.file"),
+        "keys": keys,
+        "python": _python_state(meta["python"], path),
+    }
+    if "numpy" in meta:
+        out["numpy"] = _numpy_state(meta["numpy"], path)
+    return out
+
+
+def _python_state(value: Any, path: str) -> list:
+    """[version 3, 624 words and a position, gauss_next]: what `random.setstate` takes."""
+    where = f"{path}.python"
+    version, state, gauss = _array(value, where, 3, exact=True)
+    if version != 3 or isinstance(version, bool):
+        raise SchemaError(f"{where}[0] is {_show(version)}, but Python's generator state has version 3")
+    words = _mt_state(state, f"{where}[1]", MT_WORDS + 1)
+    if words[-1] > MT_WORDS:
+        raise SchemaError(f"{where}[1][{MT_WORDS}] is {words[-1]}, but the position in the state is at most {MT_WORDS}")
+    return [3, words, None if gauss is None else _number(gauss, f"{where}[2]")]
+
+
+def _numpy_state(value: Any, path: str) -> list:
+    """[624 words, position, has_gauss, cached_gaussian]: NumPy's legacy global MT19937 generator."""
+    where = f"{path}.numpy"
+    words, position, has_gauss, cached = _array(value, where, 4, exact=True)
+    return [
+        _mt_state(words, f"{where}[0]", MT_WORDS),
+        _int(position, f"{where}[1]", MT_WORDS),
+        _int(has_gauss, f"{where}[2]", 1),
+        _number(cached, f"{where}[3]"),
+    ]
+
+
+def _mt_state(value: Any, path: str, length: int) -> list[int]:
+    return [_int(w, f"{path}[{i}]", 2**32 - 1) for i, w in enumerate(_array(value, path, length, exact=True))]
+
+
+# -- field checks ---------------------------------------------------------------------------
+
+
+def _object(value: Any, path: str, required: tuple[str, ...] = (), optional: tuple[str, ...] | None = None) -> dict:
+    """A JSON object; with `optional` given, exactly the keys `required` (all present) and `optional` (any)."""
+    if not isinstance(value, dict):
+        raise SchemaError(f"{path} is {_kind_of(value)}, where the format has an object")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise SchemaError(f"{path} lacks the field {missing[0]!r}")
+    if optional is not None:
+        unknown = sorted(set(value) - set(required) - set(optional))
+        if unknown:
+            raise SchemaError(f"{path} has the field {unknown[0][:100]!r}, which the format does not define")
+    return value
+
+
+def _array(value: Any, path: str, length: int | None = None, exact: bool = False) -> list:
+    """A JSON list, of exactly `length` items when `exact`, else of at most `length` when given."""
+    if not isinstance(value, list):
+        raise SchemaError(f"{path} is {_kind_of(value)}, where the format has a list")
+    if length is not None and (len(value) != length if exact else len(value) > length):
+        raise SchemaError(f"{path} has {len(value)} items, where the format has {'' if exact else 'at most '}{length}")
+    return value
+
+
+def _int(value: Any, path: str, maximum: int = INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SchemaError(f"{path} is {_show(value)}, where the format has a whole number")
+    if not 0 <= value <= maximum:
+        raise SchemaError(f"{path} is {_show(value)}, outside 0..{maximum}")
+    return value
+
+
+def _number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SchemaError(f"{path} is {_show(value)}, where the format has a finite number")
+    if isinstance(value, int) and abs(value) > INT64_MAX:
+        raise SchemaError(f"{path} is {_show(value)}, which is out of range")
+    return value
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise SchemaError(f"{path} is {_show(value)}, where the format has true or false")
+    return value
+
+
+def _text(value: Any, path: str, max_len: int = MAX_TEXT) -> str:
+    if not isinstance(value, str):
+        raise SchemaError(f"{path} is {_kind_of(value)}, where the format has a string")
+    if not value or len(value) > max_len:
+        raise SchemaError(f"{path} is a string of {len(value)} characters, where the format has 1 to {max_len}")
+    return value
+
+
+def _kind(value: Any, path: str) -> str:
+    """A state kind ("main", "exp_avg"): an identifier, since it prefixes safetensors keys."""
+    kind = _text(value, path, 64)
+    if not kind.isidentifier() or not kind.isascii() or kind == UNSHARDED:
+        raise SchemaError(f"{path} names the state kind {kind!r}, which is not a plain identifier (or is reserved)")
+    return kind
+
+
+def _dtype(value: Any, path: str) -> str:
+    if not isinstance(value, str) or value not in DTYPES:
+        raise SchemaError(
+            f"{path} is {_show(value)}, which is not a dtype hfsdp knows ({', '.join(DTYPES)}); the file was written "
+            "by another tool or damaged"
+        )
+    return value
+
+
+def _file_name(value: Any, path: str) -> str:
+    name = _text(value, path, 1024)
+    problem = plain_name_problem(name)
+    if problem:
+        raise SchemaError(f"{path} names the file {name!r}, which {problem}; a checkpoint only names its own files")
+    return name
+
+
+def _shape(value: Any, path: str) -> tuple[int, ...]:
+    """A list of dimensions whose product (the element count) still fits in int64."""
+    dims = tuple(_int(d, f"{path}[{i}]") for i, d in enumerate(_array(value, path, MAX_NDIM)))
+    numel = 1
+    for d in dims:
+        numel *= d
+        if numel > INT64_MAX:
+            raise SchemaError(f"{path} is {list(dims)}, more elements than int64 can count")
+    return dims
+
+
+def _kind_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "true/false", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}[
+        type(value)
+    ]
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a bad value for a message (containers by kind: they may be huge)."""
+    if isinstance(value, dict | list):
+        return _kind_of(value)
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
