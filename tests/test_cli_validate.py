@@ -384,3 +384,35 @@ def test_help_lists_validate_config_without_importing_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_validate_config_imports_neither_torch_nor_megatron():
+    """`hfsdp validate-config` on a valid file answers without importing torch or megatron (a CI tool stays fast)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hfsdp.cli", "validate-config", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "is a valid hfsdp config" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hfsdp.core.layout" in imported  # the summary was computed in this process
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "megatron")}
+
+
+def test_placement_names_match_torch_placements():
+    """The torch-free placement names validate-config prints are exactly torch's placements, for every layout."""
+    import itertools
+
+    from hfsdp.core.layout import dense_layout
+    from hfsdp.core.placement import describe
+    from hfsdp.core.placement_names import describe_names
+    from hfsdp.core.strategy import Strategy
+
+    for outer, inner in itertools.product(Strategy, Strategy):
+        if outer.level > inner.level:
+            continue
+        mesh = dense_layout(LayoutConfig(world_size=4, inner=inner, outer=outer, instances=2))
+        for state in ("param", "grad", "optim"):
+            assert describe_names(mesh.placement_names(state)) == describe(mesh.placements.of(state))

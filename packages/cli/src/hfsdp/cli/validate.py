@@ -4,8 +4,9 @@ Exit 0 and a summary of what the layout will do (meshes, placements, memory per
 parameter); exit 1 and every problem at once; exit 2 when the file cannot be read.
 `--format json` prints one object in all three cases, for scripts and CI.
 
-The summary needs the placement table, which imports torch; it is imported here,
-inside the command, so that `hfsdp --help` and invalid files stay fast.
+Nothing here imports torch or megatron-core: the summary reads the placement
+table's names (`hfsdp.core.placement_names`), so a CI job gets its answer in a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def validate_config(
 
 def summarize(cfg: LayoutConfig) -> dict[str, Any]:
     """What the layout does, as plain data: the JSON `summary` and the source of the text one."""
-    from hfsdp.core.layout import dense_layout, expert_layout  # imports torch: keep it out of `hfsdp --help`
+    from hfsdp.core.layout import dense_layout, expert_layout
 
     expert: dict[str, Any] | None = None
     if cfg.num_moe_experts is not None:
@@ -84,12 +85,12 @@ def summarize(cfg: LayoutConfig) -> dict[str, Any]:
 
 
 def _mesh_summary(mesh) -> dict[str, Any]:
-    from hfsdp.core.placement import describe
+    from hfsdp.core.placement_names import describe_names
 
     return {
         "mesh": {"names": list(mesh.names), "shape": list(mesh.shape)},
         "strategies": [a.strategy.value for a in mesh.axes],
-        "placements": {state: describe(mesh.placements.of(state)) for state, _ in STATES},
+        "placements": {state: describe_names(mesh.placement_names(state)) for state, _ in STATES},
         "bytes_per_param": mesh.bytes_per_param(),
     }
 
