@@ -126,6 +126,11 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
     except OSError as err:
         problems.append(Problem("--load", f"--load {cfg.load} cannot be read ({err.strerror or err}); check the path."))
         return Plan()
+    except Exception as err:  # a reader's bug on a strange file must still read as a message about --load
+        problems.append(
+            Problem("--load", f"--load {cfg.load} cannot be read as a checkpoint ({type(err).__name__}: {err}).")
+        )
+        return Plan()
     step = int(index.extra.get("step", index.step))
     recorded = index.extra.get(MODEL_KEY)
     saved = dict(recorded) if isinstance(recorded, dict) else _shapes_from_index(index)

@@ -48,7 +48,10 @@ def validate_config(
         OutputFormat, typer.Option("--format", help="text for people, json for scripts (one object).")
     ] = OutputFormat.text,
     world_size: Annotated[
-        int | None, typer.Option("--world-size", help="Use this world size instead of the file's.", show_default=False)
+        int | None,
+        typer.Option(
+            "--world-size", help="Use this world size instead of the file's.", show_default="the file's world_size"
+        ),
     ] = None,
 ) -> None:
     """Check a config file with `hfsdp train`'s rules and summarise it; exit 0 valid, 1 invalid, 2 unreadable."""
