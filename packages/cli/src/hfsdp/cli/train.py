@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 from typing import Annotated, Any
 
 import typer
@@ -42,7 +43,9 @@ def train(**flags: Any) -> None:
     except stopping.Interrupted as stop:
         stopping.ignore()
         if rank == 0:
-            say(f"interrupted before training started ({stop})", err=True)
+            say(
+                f"interrupted before training started ({signal.Signals(stop.signum).name}); nothing was saved", err=True
+            )
         code = stop.exit_code
     raise typer.Exit(code)
 
