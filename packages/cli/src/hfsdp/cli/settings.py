@@ -88,11 +88,23 @@ class Setting:
 
 
 def _layout(name: str, flag: str | None, default: Any, type_: type, help_text: str, **kw) -> Setting:
+    """A LayoutConfig field: its file key is core's MEGATRON_NAMES entry, its rules are LayoutConfig's."""
     return Setting(name, flag, default, type_, help_text, key=MEGATRON_NAMES[name], layout=True, panel="Layout", **kw)
 
 
+def _model(name: str, flag: str, default: int, key: str, help_text: str, arch: bool = True) -> Setting:
+    """A size of the model: a positive whole number under `model.` in a config file."""
+    return Setting(name, flag, default, int, help_text, positive_int, key=f"model.{key}", arch=arch, panel="Model")
+
+
+def _output(name: str, flag: str, default: Any, type_: type, help_text: str, check: Check, shown: str) -> Setting:
+    """A flag-only setting about where results go (--metrics, checkpoints): shown default in words."""
+    panel = "Checkpoints" if name.startswith(("save", "load")) else "Output"
+    return Setting(name, flag, default, type_, help_text, check, panel=panel, default_text=shown)
+
+
 SETTINGS: tuple[Setting, ...] = (
-    # The layout: world_size comes from --nproc, the file, or torchrun (see train_config.world_size_given).
+    # The layout. world_size comes from --nproc, the file or torchrun (train_config._world), never a flag of its own.
     _layout("world_size", None, None, int, "Ranks in the whole job.", default_text="--nproc"),
     _layout("tp", None, 1, int, "Tensor-parallel size (1: not supported yet)."),
     _layout("pp", None, 1, int, "Pipeline-parallel size (1: not supported yet)."),
@@ -102,37 +114,21 @@ SETTINGS: tuple[Setting, ...] = (
         "--inner",
         "optim_grads_params",
         str,
-        f"Strategy inside an instance (data_parallel_sharding_strategy): {STRATEGIES}.",
+        f"Sharding inside an instance (data_parallel_sharding_strategy): {STRATEGIES}.",
     ),
     _layout(
-        "outer", "--outer", "no_shard", str, f"Strategy across instances (outer_dp_sharding_strategy): {STRATEGIES}."
+        "outer", "--outer", "no_shard", str, f"Sharding across instances (outer_dp_sharding_strategy): {STRATEGIES}."
     ),
     _layout("instances", "--instances", 1, int, "Number of instances (num_distributed_optimizer_instances)."),
     _layout("ep", "--ep", 1, int, "Expert-parallel size."),
     _layout(
-        "expert_strategy",
-        "--expert-strategy",
-        None,
-        str,
-        f"Strategy of expert parameters: {STRATEGIES}.",
-        default_text="--inner",
+        "expert_strategy", "--expert-strategy", None, str, f"Sharding of experts: {STRATEGIES}.", default_text="--inner"
     ),
     _layout("expert_instances", "--expert-instances", 1, int, "Opt-in outer axis for experts: its size."),
     _layout(
-        "expert_outer",
-        "--expert-outer",
-        "no_shard",
-        str,
-        f"Opt-in outer axis for experts: its strategy ({STRATEGIES}).",
+        "expert_outer", "--expert-outer", "no_shard", str, f"Opt-in outer axis for experts: its sharding, {STRATEGIES}."
     ),
-    _layout(
-        "num_moe_experts",
-        "--moe-experts",
-        None,
-        int,
-        "Number of MoE experts; 0 or unset: a dense model.",
-        default_text="0: dense",
-    ),
+    _layout("num_moe_experts", "--moe-experts", None, int, "MoE experts; 0: a dense model.", default_text="0"),
     _layout(
         "global_batch_size",
         "--global-batch-size",
@@ -142,7 +138,6 @@ SETTINGS: tuple[Setting, ...] = (
         default_text="2 microbatches: 2 x micro-batch-size x ranks",
     ),
     _layout("micro_batch_size", "--micro-batch-size", 2, int, "Sequences per rank per microbatch."),
-    # The launch.
     Setting(
         "nproc",
         "--nproc",
@@ -152,47 +147,13 @@ SETTINGS: tuple[Setting, ...] = (
         default_text="the config file's world size, else 4",
         panel="Layout",
     ),
-    Setting("device", "--device", "auto", str, f"Where to train: {', '.join(DEVICES)}.", one_of(*DEVICES)),
     # The model.
-    Setting(
-        "layers",
-        "--layers",
-        2,
-        int,
-        "Transformer layers.",
-        positive_int,
-        key="model.num_layers",
-        arch=True,
-        panel="Model",
-    ),
-    Setting(
-        "hidden", "--hidden", 64, int, "Hidden size.", positive_int, key="model.hidden_size", arch=True, panel="Model"
-    ),
-    Setting(
-        "heads",
-        "--heads",
-        4,
-        int,
-        "Attention heads.",
-        positive_int,
-        key="model.num_attention_heads",
-        arch=True,
-        panel="Model",
-    ),
-    Setting(
-        "vocab", "--vocab", 128, int, "Vocabulary size.", positive_int, key="model.vocab_size", arch=True, panel="Model"
-    ),
-    Setting("seq_len", "--seq-len", 32, int, "Sequence length.", positive_int, key="model.seq_length", panel="Model"),
-    Setting(
-        "moe_topk",
-        "--moe-topk",
-        2,
-        int,
-        "Experts per token (MoE).",
-        positive_int,
-        key="model.moe_router_topk",
-        panel="Model",
-    ),
+    _model("layers", "--layers", 2, "num_layers", "Transformer layers."),
+    _model("hidden", "--hidden", 64, "hidden_size", "Hidden size."),
+    _model("heads", "--heads", 4, "num_attention_heads", "Attention heads."),
+    _model("vocab", "--vocab", 128, "vocab_size", "Vocabulary size."),
+    _model("seq_len", "--seq-len", 32, "seq_length", "Sequence length.", arch=False),
+    _model("moe_topk", "--moe-topk", 2, "moe_router_topk", "Experts per token (MoE).", arch=False),
     # The loop.
     Setting(
         "steps",
@@ -208,7 +169,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--lr",
         3e-3,
         float,
-        "AdamW learning rate; when set, it wins over a resumed checkpoint's.",
+        "AdamW learning rate; when set, wins over a resumed checkpoint's.",
         positive_number,
         key="train.lr",
     ),
@@ -217,7 +178,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--weight-decay",
         0.01,
         float,
-        "AdamW weight decay; when set, it wins over a resumed checkpoint's.",
+        "AdamW weight decay; when set, wins over a resumed checkpoint's.",
         non_negative_number,
         key="train.weight_decay",
     ),
@@ -240,6 +201,7 @@ SETTINGS: tuple[Setting, ...] = (
         one_of(*DTYPES),
         key="train.dtype",
     ),
+    Setting("device", "--device", "auto", str, f"Where to train: {', '.join(DEVICES)}.", one_of(*DEVICES)),
     Setting(
         "data_path",
         "--data-path",
@@ -249,17 +211,8 @@ SETTINGS: tuple[Setting, ...] = (
         path,
         default_text="a learnable synthetic stream",
     ),
-    # Output.
-    Setting(
-        "metrics",
-        "--metrics",
-        None,
-        str,
-        "Write one JSON object per step to this file.",
-        path,
-        panel="Output",
-        default_text="none",
-    ),
+    # Output and checkpoints.
+    _output("metrics", "--metrics", None, str, "Write one JSON object per step to this file.", path, "none"),
     Setting(
         "log_every",
         "--log-every",
@@ -270,46 +223,25 @@ SETTINGS: tuple[Setting, ...] = (
         key="train.log_interval",
         panel="Output",
     ),
-    # Checkpoints.
-    Setting(
-        "save",
-        "--save",
-        None,
-        str,
-        "Checkpoint root directory to save into (DIR/step-K, DIR/latest).",
-        path,
-        panel="Checkpoints",
-        default_text="none",
-    ),
-    Setting(
-        "save_every",
-        "--save-every",
-        None,
-        int,
-        "Save every K steps, and at the end.",
-        positive_int,
-        panel="Checkpoints",
-        default_text="only at the end",
-    ),
-    Setting(
+    _output("save", "--save", None, str, "Checkpoint root to save into (DIR/step-K, DIR/latest).", path, "none"),
+    _output("save_every", "--save-every", None, int, "Save every K steps, and at the end.", positive_int, "at the end"),
+    _output(
         "save_keep",
         "--save-keep",
         None,
         int,
         "Keep the newest N step directories; older ones are deleted after each new save (never the latest).",
         positive_int,
-        panel="Checkpoints",
-        default_text="all",
+        "all",
     ),
-    Setting(
+    _output(
         "load",
         "--load",
         None,
         str,
         "Checkpoint (a root with 'latest', or a step directory) to resume from.",
         path,
-        panel="Checkpoints",
-        default_text="none",
+        "none",
     ),
     Setting(
         "debug_fail_rank",
