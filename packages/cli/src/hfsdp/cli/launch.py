@@ -26,7 +26,7 @@ from pathlib import Path
 from hfsdp.cli import stopping
 from hfsdp.cli.report import say
 from hfsdp.cli.train_config import TrainConfig
-from hfsdp.cli.worker import _PEER_GONE, RUN_DIR_ENV, entrypoint, error_file
+from hfsdp.cli.worker import PEER_GONE, RUN_DIR_ENV, entrypoint, error_file
 
 #: How long ranks get to leave after a signal before the launcher kills what is left.
 GRACE_S = 30
@@ -93,7 +93,10 @@ def _failure_report(err, run_dir: Path) -> list[str]:
         path = error_file(run_dir, rank)
         if path.is_file():
             return [f"error: {path.read_text().strip()}"]
-    rank, failure = min(failures.items(), key=lambda item: (_collateral(item[1]), item[1].timestamp, item[0]))
+    # The root cause: not a lost-peer error, a death by signal (SIGKILL, SIGSEGV) first, then the earliest.
+    rank, failure = min(
+        failures.items(), key=lambda item: (_collateral(item[1]), item[1].exitcode >= 0, item[1].timestamp, item[0])
+    )
     if failure.exitcode < 0:
         name = _signal_name(-failure.exitcode)
         return [
@@ -107,13 +110,13 @@ def _failure_report(err, run_dir: Path) -> list[str]:
     if callstack:
         last = f"error: rank {rank} failed ({reason}); every other rank was stopped. Its traceback is above."
         return [*callstack.rstrip().splitlines(), last]
-    return [f"error: rank {rank} exited with code {failure.exitcode} ({reason}); every other rank was stopped."]
+    return [f"error: rank {rank} exited with code {failure.exitcode} without a message; every other rank was stopped."]
 
 
 def _collateral(failure) -> bool:
     """A failure caused by another rank's death (a collective lost its peer): not the one to report."""
     text = json.dumps(failure.error_file_data) if failure.error_file_data else str(failure.message)
-    return any(needle in text for needle in _PEER_GONE)
+    return any(needle in text for needle in PEER_GONE)
 
 
 def _signal_name(number: int) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import reprlib
 import sys
 
+from hfsdp.cli.file_parse import HugeInt
+
 _repr = reprlib.Repr()
 _repr.maxlevel = 3
 _repr.maxstring = 80
@@ -23,8 +25,6 @@ _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(
 
 def shown(value: object) -> str:
     """`value` as a message quotes it: short, with the type when it could be mistaken ('8' is text)."""
-    from hfsdp.cli.file_parse import HugeInt
-
     if isinstance(value, HugeInt):
         return repr(value)
     if value is None:

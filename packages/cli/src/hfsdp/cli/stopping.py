@@ -70,6 +70,12 @@ def deferred():
         _defer = before
 
 
+def hold() -> None:
+    """From now on a signal only sets `requested()`: the process is already on its way out (handling an error)."""
+    global _defer
+    _defer = True
+
+
 def ignore() -> None:
     """Ignore further SIGINT/SIGTERM (the launcher, while it writes its last line)."""
     for sig in SIGNALS:

@@ -26,9 +26,8 @@ from hfsdp.cli.preflight import MODEL_KEY, model_settings
 from hfsdp.cli.progress import reporter
 from hfsdp.cli.report import say
 from hfsdp.cli.train_config import TrainConfig
+from hfsdp.cli.worker import RUN_DIR_ENV
 
-#: Set by the launcher: a directory where rank 0 records its progress (`progress.json`) for the final report.
-RUN_DIR_ENV = "HFSDP_RUN_DIR"
 #: Optimizer hyper-parameters a setting sets; a value the user gave wins over a resumed checkpoint's.
 HYPER_PARAMETERS = ("lr", "weight_decay")
 

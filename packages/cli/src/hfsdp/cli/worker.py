@@ -21,13 +21,17 @@ import traceback
 import warnings
 from pathlib import Path
 
+import torch.distributed as dist
+
+from hfsdp.ckpt import CheckpointError
 from hfsdp.cli import stopping
 from hfsdp.cli.report import say
 from hfsdp.cli.train_config import TrainConfig
 
+#: Set by the launcher: a private directory where rank 0 records its progress and ranks leave user-facing errors.
 RUN_DIR_ENV = "HFSDP_RUN_DIR"
 #: Text of the errors a collective raises when a peer process is gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Gloo", "NCCL", "timed out")
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Gloo", "NCCL", "timed out")
 
 
 def error_file(run_dir: str | Path, rank: int) -> Path:
@@ -53,14 +57,16 @@ def run_rank(cfg: TrainConfig, resumed_from: str | None = None) -> int:
         run_training(cfg)
         return 0
     except stopping.Interrupted as stop:
+        stopping.hold()
         if run_dir is None and rank == 0:
             say(stopping.stopped_line(stop.signum, stop.step, cfg.save, resumed_from), err=True)
         return stop.exit_code
     except Exception as err:
+        stopping.hold()  # the agent's SIGTERM to the other ranks must not cut this report short
         if stopping.requested() is not None:
             return 128 + stopping.requested()  # a peer left because of the signal: nothing to add
-        if _peer_gone(err):
-            return 1  # the rank that failed first reports
+        if _peer_gone(err) and run_dir is None:
+            return 1  # under torchrun the rank that failed first reports; the launcher picks it out itself
         message = _user_error(err)
         if message is None and run_dir is not None:
             raise  # a bug: the elastic agent records the traceback and the launcher prints it
@@ -87,8 +93,6 @@ def quiet_warnings() -> None:
 
 def _user_error(err: BaseException) -> str | None:
     """The one-paragraph message of an error the user can fix (a checkpoint, a file), or None for a bug."""
-    from hfsdp.ckpt import CheckpointError
-
     if isinstance(err, CheckpointError):
         return str(err)
     if isinstance(err, OSError):
@@ -99,14 +103,10 @@ def _user_error(err: BaseException) -> str | None:
 
 def _agreed(err: BaseException) -> bool:
     """Checkpoint errors are raised by every rank together (hfsdp.ckpt agrees on them): one rank reports."""
-    from hfsdp.ckpt import CheckpointError
-
     return isinstance(err, CheckpointError)
 
 
 def _peer_gone(err: BaseException) -> bool:
-    import torch.distributed as dist
-
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
-    return any(text in str(err) for text in _PEER_GONE)
+    return any(text in str(err) for text in PEER_GONE)
