@@ -156,8 +156,11 @@ def _layout(
             g = given.get(p.field)
             if p.field == "world_size" and missing:
                 problems.append(_missing_world(given.get("world_size"), world_flag))
-            else:
-                problems.append(Problem(g.spelled if g else p.field, p.message))
+            elif g is None:
+                problems.append(p)
+            else:  # core names the field by its short name: say it as the user wrote it
+                message = g.spelled + p.message[len(p.field) :] if p.message.startswith(p.field + " ") else p.message
+                problems.append(Problem(g.spelled, message))
         return None
     return layout
 
