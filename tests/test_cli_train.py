@@ -1,8 +1,16 @@
-"""`hfsdp train` end to end, as the installed command in a subprocess (the real elastic launcher)."""
+"""`hfsdp train` end to end, as the installed command in a subprocess (the real elastic launcher).
+
+Spawning ranks is slow (megatron-core takes seconds to import in every rank), so each launch here
+is a tiny model for a few steps, and one launch serves several assertions where it can. Checks that
+must happen before any rank starts run in-process in test_cli_preflight.py.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,23 +26,40 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([HFSDP, "train", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def _children_of_launcher() -> list[str]:
-    """`hfsdp train` processes still alive, and spawned ranks orphaned by a launcher that exited."""
-    out = subprocess.run(["ps", "-eo", "ppid=,args="], capture_output=True, text=True).stdout
-    left = []
-    for line in out.splitlines():
-        ppid, _, args = line.strip().partition(" ")
-        if args.startswith(f"{HFSDP} train") or (ppid == "1" and "spawn_main" in args):
-            left.append(line)
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _children(pid: int) -> list[int]:
+    """PIDs of a live process's children, from /proc."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        found += [int(p) for p in children.read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for init to reap it does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return left
 
 
 @pytest.fixture(scope="module")
 def hfsdp_run(tmp_path_factory):
     metrics = tmp_path_factory.mktemp("train") / "metrics.jsonl"
-    args = ["--outer", "optim", "--instances", "2", "--steps", "8", "--lr", "1e-2", "--metrics", str(metrics), *SMALL]
-    result = _run(*args)
-    return result, [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    args = ["--outer", "optim", "--instances", "2", "--steps", "8", "--lr", "1e-2", "--metrics", str(metrics)]
+    result = _run(*args, "--log-every", "4", *SMALL)
+    return result, _records(metrics)
 
 
 def test_train_hfsdp_two_instances_runs_and_learns(hfsdp_run):
@@ -44,6 +69,17 @@ def test_train_hfsdp_two_instances_runs_and_learns(hfsdp_run):
     assert "HFSDP 2x2" in result.stdout
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[-1]["loss"] < records[0]["loss"] - 0.1
+
+
+def test_output_for_logs_is_plain_lines_and_stderr_stays_empty(hfsdp_run):
+    """Piped, the run prints "starting 4 ranks (layout)" first, then one plain line every --log-every steps, and
+    nothing at all on stderr: megatron-core's warnings are silenced in every rank."""
+    result, _ = hfsdp_run
+    lines = result.stdout.splitlines()
+    assert lines[0] == "starting 4 ranks (HFSDP 2x2 (optim over optim_grads_params))"
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["4/8", "8/8"]
+    assert "\r" not in result.stdout and "━" not in result.stdout
+    assert result.stderr == ""
 
 
 def test_metrics_records_have_the_documented_fields(hfsdp_run):
@@ -61,9 +97,8 @@ def test_bad_flag_combination_is_rejected_before_any_process_starts():
     assert result.returncode == 1
     assert "--outer" in result.stderr and "cross instances" in result.stderr
     assert "--hidden" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "starting" not in result.stdout
     assert time.monotonic() - began < 30
-    assert not _children_of_launcher()
 
 
 def test_unknown_strategy_suggests_the_closest_name():
@@ -74,23 +109,43 @@ def test_unknown_strategy_suggests_the_closest_name():
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error():
-    """When rank 2 raises, the command exits non-zero naming rank 2 and its error, and no rank is left running."""
-    result = _run("--steps", "4", "--debug-fail-rank", "2", *SMALL)
-    assert result.returncode == 1
-    assert "rank 2 failed" in result.stderr and "injected failure on rank 2" in result.stderr
-    time.sleep(1)
-    assert not _children_of_launcher()
+    """When rank 2 raises, the command prints that rank's traceback once and one line naming rank 2 and its error,
+    exits 1, and no rank is left running."""
+    proc = subprocess.Popen(
+        [HFSDP, "train", "--steps", "4", "--debug-fail-rank", "2", *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ranks = []
+    while proc.poll() is None and len(ranks) < 4:
+        ranks = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        time.sleep(0.2)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert err.count("Traceback") == 1 and "injected failure on rank 2" in err
+    assert err.strip().splitlines()[-1].startswith("error: rank 2 failed (RuntimeError: injected failure on rank 2")
+    assert "Its traceback is above" in err
+    assert not _wait_gone(ranks)
 
 
 def test_save_reshard_and_resume_through_the_cli(tmp_path):
     """Train 2 steps of HFSDP on 2 ranks with --save, `hfsdp ckpt reshard` to 1 rank, --load and train to step 4:
-    steps 3-4 give the losses of an uninterrupted 4-step run."""
+    steps 3-4 give the losses of an uninterrupted 4-step run; the resume says where from and which layouts; a resume
+    with nothing left to do says so without starting ranks; an explicit --lr wins over the checkpoint's."""
     model = ["--global-batch-size", "8", "--micro-batch-size", "2", *SMALL]
     hfsdp = ["--nproc", "2", "--instances", "2", "--outer", "optim", *model]
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
     assert _run(*hfsdp, "--steps", "4", "--metrics", str(whole)).returncode == 0
     first = _run(*hfsdp, "--steps", "2", "--save", str(tmp_path / "ck"))
     assert first.returncode == 0, first.stderr[-2000:]
+    assert f"checkpoints: {tmp_path / 'ck'} (latest: step-2" in first.stdout
+
+    nothing = _run(*hfsdp, "--steps", "2", "--load", str(tmp_path / "ck"))
+    assert nothing.returncode == 0, nothing.stderr
+    assert f"checkpoint {tmp_path / 'ck' / 'step-2'} is at step 2 and --steps is 2: nothing to do" in nothing.stdout
+    assert "starting" not in nothing.stdout and "nan" not in nothing.stdout
+
     target = ["--world-size", "1", "--instances", "1", "--outer", "no_shard"]
     reshard = subprocess.run(
         [HFSDP, "ckpt", "reshard", str(tmp_path / "ck"), str(tmp_path / "ck1"), *target],
@@ -102,11 +157,19 @@ def test_save_reshard_and_resume_through_the_cli(tmp_path):
     args = ["--nproc", "1", "--instances", "1", "--outer", "no_shard", *model, "--steps", "4"]
     second = _run(*args, "--load", str(tmp_path / "ck1"), "--metrics", str(resumed))
     assert second.returncode == 0, second.stderr[-2000:]
-    expected = [json.loads(line) for line in whole.read_text().splitlines()][2:]
-    got = [json.loads(line) for line in resumed.read_text().splitlines()]
+    layouts = "(ZeRO-3 1x1 (optim_grads_params) -> ZeRO-3 1x1 (optim_grads_params))"  # ck1 was resharded to 1 rank
+    assert f"resumed from {tmp_path / 'ck1'} {layouts}" in second.stdout
+    expected = _records(whole)[2:]
+    got = _records(resumed)
     assert [r["step"] for r in got] == [3, 4]
     for a, b in zip(got, expected, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+    override = tmp_path / "override.jsonl"
+    third = _run(*args[:-1], "3", "--load", str(tmp_path / "ck1"), "--lr", "1e-4", "--metrics", str(override))
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "lr 0.0001 from --lr, not the checkpoint's 0.003" in third.stdout
+    assert [r["lr"] for r in _records(override)] == [pytest.approx(1e-4)]
 
 
 def test_train_moe_with_expert_parallelism_and_two_instances(tmp_path):
@@ -116,20 +179,97 @@ def test_train_moe_with_expert_parallelism_and_two_instances(tmp_path):
     result = _run(*moe, "--steps", "3", "--metrics", str(metrics), *SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HFSDP 2x2" in result.stdout
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = _records(metrics)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in records)  # finite, with gradients
 
 
 def test_under_an_external_torchrun_it_joins_instead_of_spawning(tmp_path):
-    """Started by torchrun (2 ranks), `hfsdp train` runs as the given ranks: world 2 from the launcher, not --nproc."""
+    """Started by torchrun (2 ranks), `hfsdp train` runs as the given ranks: world 2 from the launcher, not --nproc;
+    a configuration error is printed once, not once per rank."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
     args = ["--instances", "2", "--outer", "optim", "--steps", "2", "--global-batch-size", "8", *SMALL]
-    result = subprocess.run(
-        [torchrun, "--nproc-per-node", "2", "-m", "hfsdp.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [torchrun, "--nproc-per-node", "2", "-m", "hfsdp.cli", "train"]
+    result = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HFSDP 2x1" in result.stdout and "peak RSS MiB per rank: [" in result.stdout
+    bad = subprocess.run([*cmd, "--hidden", "30", *SMALL[:2]], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert bad.stderr.count("is not divisible by --heads 4") == 1
+
+
+# Signals ------------------------------------------------------------------------------------------
+
+
+def _interrupt(tmp_path: Path, send) -> tuple[subprocess.Popen, str, str, list[int]]:
+    """Start a long 2-rank run saving every step, wait until it trains, `send(pid)` a signal, return the outcome."""
+    metrics = tmp_path / "m.jsonl"
+    args = ["--nproc", "2", "--steps", "100000", "--save", str(tmp_path / "ck"), "--save-every", "1"]
+    proc = subprocess.Popen(
+        [HFSDP, "train", *args, "--save-keep", "2", "--metrics", str(metrics), *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    deadline = time.monotonic() + 240
+    while len(_records(metrics)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    ranks = _children(proc.pid)
+    send(proc.pid)
+    out, err = proc.communicate(timeout=120)
+    return proc, out, err, ranks
+
+
+def _assert_stopped_cleanly(tmp_path: Path, proc, out: str, err: str, ranks: list[int], code: int, name: str) -> None:
+    assert proc.returncode == code, err
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted at step ") and f"({name})" in lines[0], err
+    assert f"last checkpoint {tmp_path / 'ck'}/step-" in lines[0]
+    assert not _wait_gone(ranks)
+    verify = subprocess.run([HFSDP, "ckpt", "verify", str(tmp_path / "ck")], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    step = int(lines[0].rsplit("step-", 1)[1])
+    assert (tmp_path / "ck" / "latest").read_text().strip() == f"step-{step}"
+    assert len(list((tmp_path / "ck").glob("step-*"))) <= 2  # --save-keep 2
+
+
+def test_sigterm_to_the_launcher_stops_with_one_line_and_exit_143(tmp_path):
+    """SIGTERM (what a scheduler sends) to `hfsdp train`: exit 143, one line "interrupted at step N; last checkpoint
+    DIR/step-K", no traceback, every rank gone, the latest checkpoint intact."""
+    proc, out, err, ranks = _interrupt(tmp_path, lambda pid: os.kill(pid, signal.SIGTERM))
+    _assert_stopped_cleanly(tmp_path, proc, out, err, ranks, 143, "SIGTERM")
+
+
+def test_ctrl_c_stops_with_one_line_and_exit_130(tmp_path):
+    """Ctrl-C (SIGINT to the whole foreground process group, launcher and ranks alike): exit 130, one line, no
+    traceback, every rank gone, the latest checkpoint intact."""
+    proc, out, err, ranks = _interrupt(tmp_path, lambda pid: os.killpg(pid, signal.SIGINT))
+    _assert_stopped_cleanly(tmp_path, proc, out, err, ranks, 130, "SIGINT")
+
+
+def test_a_killed_rank_is_reported_as_killed(tmp_path):
+    """A rank killed with SIGKILL is reported as such, without pointing at a traceback that does not exist."""
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [HFSDP, "train", "--nproc", "2", "--steps", "100000", "--metrics", str(metrics), *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not _records(metrics) and proc.poll() is None:
+        time.sleep(0.2)
+    ranks = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    ranks = [p for p in ranks if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    os.kill(ranks[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"error: rank [01] was killed by signal 9 \(SIGKILL\), by the system \(out of memory\?\) or by someone; "
+        r"every other rank was stopped\. It left no traceback\.",
+        lines[0],
+    ), err
+    assert not _wait_gone(ranks)

@@ -5,23 +5,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from hfsdp.cli.config_file import (
-    ConfigFileError,
-    FileConfig,
-    file_config_error,
-    file_problems,
-    load_config_file,
-)
+from hfsdp.cli.config_file import ConfigFileError, read_config_file
 from hfsdp.cli.main import app
-from hfsdp.core.config import ConfigError, LayoutConfig, Problem
+from hfsdp.cli.train_config import build_file_config
+from hfsdp.core.config import ConfigError, LayoutConfig
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "hfsdp_2x2.yaml"
+EXAMPLE = REPO / "examples" / "hfsdp_2x4.yaml"
 HFSDP = Path(sys.executable).parent / "hfsdp"
 
 #: The issue's example as data, written out below as YAML, TOML and JSON.
@@ -80,7 +76,7 @@ def invoke_json(*args: str | Path) -> tuple[int, dict]:
 
 
 def test_example_file_is_the_issue_example():
-    """examples/hfsdp_2x2.yaml, which the README points at, holds exactly the issue's example."""
+    """examples/hfsdp_2x4.yaml, which the README points at, holds exactly the issue's example."""
     import yaml
 
     assert yaml.safe_load(EXAMPLE.read_text()) == ISSUE
@@ -132,13 +128,14 @@ def test_valid_json_summary():
 
 
 def test_dense_only_file_has_no_expert_summary(tmp_path):
-    """Without num_moe_experts the summary has no expert part and no microbatches when batch sizes are absent."""
+    """Without num_moe_experts the summary has no expert part; absent batch sizes are hfsdp train's defaults."""
     path = write(tmp_path, "dense.yaml", {"parallel": {"world_size": 4}})
     code, report = invoke_json(path)
     assert code == 0
     assert report["summary"]["expert"] is None
-    assert report["summary"]["num_microbatches"] is None
+    assert (report["summary"]["num_microbatches"], report["summary"]["global_batch_size"]) == (2, 16)
     assert report["summary"]["layout"] == "ZeRO-3 1x4 (optim_grads_params)"
+    assert report["summary"]["settings"]["train.lr"] == {"value": 3e-3, "default": True}
     assert "expert parameters" not in invoke(path).stdout
 
 
@@ -301,53 +298,141 @@ def test_directory_exits_2(tmp_path):
     assert "directory" in result.stderr
 
 
-# The loader's API, used by `hfsdp train` ----------------------------------------------------------
+# Hostile files: every input gets a message and exit 1 or 2, fast, never a traceback --------------
+
+#: A "billion laughs": 9 levels of 9 aliases each, about 500 bytes that expand to 9**9 values.
+ALIAS_BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+HOSTILE = [
+    ("deep.yaml", "a: " + "[" * 600 + "]" * 600, 2, "levels deep"),
+    ("deep_block.yaml", "".join("  " * i + f"k{i}:\n" for i in range(600)), 2, "levels deep"),
+    ("deep.json", "[" * 100_000 + "]" * 100_000, 2, "levels deep"),
+    ("deep.toml", "a = " + "[" * 5000 + "]" * 5000, 2, "levels deep"),
+    ("bomb.yaml", ALIAS_BOMB, 2, "alias bomb"),
+    ("cycle.yaml", "a: &a [*a]\n", 2, "cycle"),
+    ("big.yaml", "a: " + "x" * (2 << 20), 2, "larger than 1 MiB"),
+    ("binary.yaml", bytes(range(256)), 2, "not UTF-8"),
+    ("object.yaml", "a: !!python/object:os.system ls\n", 2, "not valid YAML"),
+    ("huge.json", '{"parallel": {"world_size": ' + "9" * 4301 + "}}", 1, "4301-digit integer"),
+    ("huge.yaml", "parallel: {world_size: " + "9" * 4301 + "}\n", 1, "4301-digit integer"),
+    ("huge.toml", "[parallel]\nworld_size = " + "9" * 4301 + "\n", 1, "4301-digit integer"),
+    ("nan.yaml", "parallel: {world_size: 8}\ntrain: {lr: .nan}\n", 1, "train.lr must be a positive number"),
+    ("inf.json", '{"parallel": {"world_size": 8}, "train": {"clip_grad": Infinity}}', 1, "train.clip_grad must be"),
+    ("keys.yaml", "parallel: {world_size: 8}\n1: 2\nnull: 3\n", 1, "'None' is not a section"),
+]
 
 
-def test_load_config_file_returns_layout_and_extras(tmp_path):
-    """load_config_file returns the LayoutConfig plus the model and train keys, YAML's '1e-4' read as a number."""
+@pytest.mark.parametrize(("name", "text", "code", "reason"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_file_is_refused_fast_with_one_message(tmp_path, name, text, code, reason):
+    """Deep nesting, alias bombs, huge files and integers, binary, objects, NaN, odd keys: a message, exit 1 or 2,
+    in well under a second, never a traceback."""
+    path = tmp_path / name
+    path.write_bytes(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
+    began = time.monotonic()
+    result = invoke(path)
+    assert time.monotonic() - began < 2
+    assert result.exit_code == code, result.output
+    assert reason in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+
+
+def test_yaml_merge_keys_are_supported(tmp_path):
+    """`<<: *anchor` merges a mapping (explicit keys win); the merged keys are checked like written ones."""
+    text = "parallel: {world_size: 8}\nddp:\n  <<: {num_distributed_optimizer_instances: 2}\n"
+    text += "  outer_dp_sharding_strategy: optim\n"
+    code, report = invoke_json(write(tmp_path, "merge.yaml", text))
+    assert code == 0, report
+    assert report["summary"]["layout"] == "HFSDP 2x4 (optim over optim_grads_params)"
+    text = "base: &b {world_size: 8}\nparallel:\n  <<: *b\n  world_size: 4\n"
+    code, report = invoke_json(write(tmp_path, "override.yaml", text))
+    assert [e["field"] for e in report["errors"]] == ["base"]  # only the unknown section, not the merge
+
+
+def test_lone_surrogates_and_escapes_print_in_text_mode(tmp_path):
+    """Keys and values holding lone surrogates or terminal escapes are reported escaped, in text and in JSON."""
+    path = write(tmp_path, "s.json", '{"parallel": {"world_size": 8}, "\\ud800": 1, "train": {"lr": "\\u001b[2J"}}')
+    proc = run_hfsdp("validate-config", path)
+    assert proc.returncode == 1, proc.stderr
+    assert "\\ud800" in proc.stdout and "\\x1b[2J" in proc.stdout and "\x1b" not in proc.stdout
+    assert "Traceback" not in proc.stderr
+    proc = run_hfsdp("validate-config", path, "--format", "json")
+    assert proc.returncode == 1 and len(json.loads(proc.stdout)["errors"]) == 2
+
+
+def test_fuzzed_files_never_crash(tmp_path):
+    """Three hundred seeded random configs and byte mutations of them: every one exits 0, 1 or 2, no exception."""
+    import random
+
+    import yaml
+
+    rng = random.Random(11)
+    keys = ["parallel.world_size", "ddp.outer_dp_sharding_strategy", "ddp.num_distributed_optimizer_instances"]
+    keys += ["model.num_moe_experts", "model.hidden_size", "train.lr", "train.dtype", "train.global_batch_size"]
+    values = [0, 1, 2, 8, -1, 10**30, 1.5, float("nan"), "optim", "fp16", "", None, True, [1], {"a": 1}, "\x00"]
+    codes = set()
+    for i in range(300):
+        data: dict = {}
+        for key in rng.sample(keys, rng.randint(0, len(keys))):
+            section, name = key.split(".")
+            data.setdefault(section, {})[name] = rng.choice(values)
+        suffix = rng.choice([".yaml", ".json"])
+        raw = (yaml.safe_dump(data) if suffix == ".yaml" else json.dumps(data)).encode()
+        if i % 2:
+            raw = bytearray(raw)
+            for _ in range(rng.randint(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.choice(b"[]{}:,&*!-#\n 9\xff")
+        path = tmp_path / f"f{i}{suffix}"
+        path.write_bytes(bytes(raw))
+        result = invoke(path)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (path.read_bytes(), result)
+        assert result.exit_code in (0, 1, 2)
+        codes.add(result.exit_code)
+    assert codes == {0, 1, 2}
+
+
+# The loader's API, shared with `hfsdp train` -----------------------------------------------------
+
+
+def test_build_file_config_returns_layout_and_settings(tmp_path):
+    """build_file_config returns the layout plus the trainer's settings, YAML's '1e-4' read as a number."""
     text = EXAMPLE.read_text() + "  lr: 1e-4\n  train_iters: 10\n  dtype: bf16\n  clip_grad: 1.0\n  seed: 0\n"
     text = text.replace("model:\n", "model:\n  num_layers: 2\n  hidden_size: 64\n")
-    loaded = load_config_file(write(tmp_path, "full.yaml", text))
-    assert isinstance(loaded, FileConfig) and isinstance(loaded.layout, LayoutConfig)
-    assert loaded.layout.num_moe_experts == 8 and loaded.layout.instances == 2
-    assert loaded.model == {"num_layers": 2, "hidden_size": 64}
-    assert loaded.train == {"lr": 1e-4, "train_iters": 10, "dtype": "bf16", "clip_grad": 1.0, "seed": 0}
+    cfg = build_file_config(str(write(tmp_path, "full.yaml", text)))
+    assert isinstance(cfg.layout, LayoutConfig)
+    assert cfg.layout.num_moe_experts == 8 and cfg.layout.instances == 2
+    assert (cfg.layers, cfg.hidden, cfg.lr, cfg.steps, cfg.dtype, cfg.clip_grad) == (2, 64, 1e-4, 10, "bf16", 1.0)
+    assert cfg.explicit("lr") and not cfg.explicit("heads")
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("train.lr", "fast"), ("train.seed", -1), ("train.dtype", "float16"), ("model.num_layers", 0)],
+    [
+        ("train.lr", "fast"),
+        ("train.lr", 0),
+        ("train.seed", -1),
+        ("train.dtype", "float16"),
+        ("train.dtype", "fp16"),
+        ("model.num_layers", 0),
+    ],
 )
-def test_bad_extra_values_are_problems(tmp_path, key, value):
+def test_bad_setting_values_are_problems(tmp_path, key, value):
     """A wrong value for a model or train key is a problem naming the key, alongside layout problems."""
     section, name = key.split(".")
     data = with_(section, name, value)
     data["ddp"]["num_distributed_optimizer_instances"] = 3
     with pytest.raises(ConfigError) as info:
-        load_config_file(write(tmp_path, "x.json", data))
+        build_file_config(str(write(tmp_path, "x.json", data)))
     assert {p.field for p in info.value.problems} == {key, "ddp.num_distributed_optimizer_instances"}
 
 
-def test_load_config_file_raises_config_file_error(tmp_path):
+def test_read_config_file_raises_config_file_error(tmp_path):
     """An unreadable file raises ConfigFileError carrying the path."""
     with pytest.raises(ConfigFileError) as info:
-        load_config_file(tmp_path / "missing.toml")
+        read_config_file(tmp_path / "missing.toml")
     assert info.value.path == str(tmp_path / "missing.toml")
-
-
-def test_file_problems_translates_core_fields():
-    """Core field names become the file's dotted names; overrides and unknown fields are respected."""
-    problems = [Problem("outer", "m1"), Problem("world_size", "m2"), Problem("other", "m3")]
-    assert [p.field for p in file_problems(problems)] == [
-        "ddp.outer_dp_sharding_strategy",
-        "parallel.world_size",
-        "other",
-    ]
-    assert file_problems(problems, {"world_size": "--world-size"})[1] == Problem("--world-size", "m2")
-    with pytest.raises(ConfigError) as info:
-        LayoutConfig(world_size=8, outer="optim")
-    assert [p.field for p in file_config_error(info.value).problems] == ["ddp.outer_dp_sharding_strategy"]
 
 
 # The installed command ----------------------------------------------------------------------------
@@ -384,3 +469,35 @@ def test_help_lists_validate_config_without_importing_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_validate_config_imports_neither_torch_nor_megatron():
+    """`hfsdp validate-config` on a valid file answers without importing torch or megatron (a CI tool stays fast)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hfsdp.cli", "validate-config", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "is a valid hfsdp config" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hfsdp.core.layout" in imported  # the summary was computed in this process
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "megatron")}
+
+
+def test_placement_names_match_torch_placements():
+    """The torch-free placement names validate-config prints are exactly torch's placements, for every layout."""
+    import itertools
+
+    from hfsdp.core.layout import dense_layout
+    from hfsdp.core.placement import describe
+    from hfsdp.core.placement_names import describe_names
+    from hfsdp.core.strategy import Strategy
+
+    for outer, inner in itertools.product(Strategy, Strategy):
+        if outer.level > inner.level:
+            continue
+        mesh = dense_layout(LayoutConfig(world_size=4, inner=inner, outer=outer, instances=2))
+        for state in ("param", "grad", "optim"):
+            assert describe_names(mesh.placement_names(state)) == describe(mesh.placements.of(state))

@@ -1,26 +1,43 @@
-"""`hfsdp train`'s configuration: flag > file > default, and every invalid setting named by its flag."""
+"""`hfsdp train`'s configuration: flag > file > default, every invalid setting named by its flag or key, and
+exactly the rules `hfsdp validate-config` applies."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import random
+
 import pytest
 
-from hfsdp.cli.train_config import build_train_config
-from hfsdp.core.config import ConfigError
+from hfsdp.cli.config_file import ConfigFileError
+from hfsdp.cli.settings import SETTINGS
+from hfsdp.cli.train_config import build_file_config, build_train_config
+from hfsdp.core.config import MEGATRON_NAMES, ConfigError
 
 
-def _build(flags=None, world=4, cuda=False):
-    return build_train_config(flags or {}, world_size=world, nproc=world, cuda_available=cuda)
+def _build(flags=None, world=None, torchrun_world=None):
+    flags = dict(flags or {})
+    if world is not None:
+        flags["nproc"] = world
+    return build_train_config(flags, torchrun_world=torchrun_world)
 
 
 def _fields(err: ConfigError) -> set[str]:
     return {p.field for p in err.problems}
 
 
-def test_defaults_train_zero3_on_one_instance():
-    """With no flags the run is ZeRO-3 over 4 ranks, 16 sequences per step in 2 microbatches."""
+def _write(tmp_path, name: str, data: dict):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_defaults_train_zero3_on_four_ranks():
+    """With no flags the run is ZeRO-3 over 4 ranks, 16 sequences per step in 2 microbatches, 20 steps."""
     cfg = _build()
     assert cfg.layout.layout_name.startswith("ZeRO-3 1x4")
-    assert cfg.num_microbatches == 2 and cfg.steps == 20
+    assert cfg.nproc == 4 and cfg.num_microbatches == 2 and cfg.layout.global_batch_size == 16 and cfg.steps == 20
+    assert not cfg.explicit("lr")
 
 
 def test_flags_override_the_config_file(tmp_path):
@@ -30,31 +47,70 @@ def test_flags_override_the_config_file(tmp_path):
         "parallel: {world_size: 8}\n"
         "ddp: {outer_dp_sharding_strategy: optim, num_distributed_optimizer_instances: 2}\n"
         "model: {hidden_size: 48, num_attention_heads: 4}\n"
-        "train: {global_batch_size: 8, micro_batch_size: 1, train_iters: 7}\n"
+        "train: {global_batch_size: 16, micro_batch_size: 1, train_iters: 7, lr: 1e-4}\n"
     )
     cfg = _build({"config": str(path), "steps": 3})
-    assert cfg.layout.world_size == 4  # the launcher's world size, not the file's
-    assert cfg.layout.layout_name.startswith("HFSDP 2x2")
-    assert (cfg.hidden, cfg.steps, cfg.layout.global_batch_size) == (48, 3, 8)
+    assert cfg.layout.layout_name.startswith("HFSDP 2x4")
+    assert (cfg.hidden, cfg.steps, cfg.lr, cfg.layout.global_batch_size) == (48, 3, 1e-4, 16)
+    assert cfg.given["steps"].spelled == "--steps" and cfg.given["lr"].spelled == "train.lr"
+    assert cfg.explicit("lr") and cfg.explicit("steps") and not cfg.explicit("seed")
 
 
-def test_invalid_settings_are_all_reported_by_flag(tmp_path):
+def test_the_files_world_size_sets_nproc(tmp_path):
+    """Without --nproc, a file's world size is the number of local ranks (not the --nproc default of 4)."""
+    path = _write(tmp_path, "w8.json", {"parallel": {"world_size": 8}})
+    cfg = _build({"config": str(path)})
+    assert cfg.nproc == 8 and cfg.layout.world_size == 8
+
+
+def test_nproc_that_disagrees_with_the_file_is_refused(tmp_path):
+    """An explicit --nproc other than the file's world size is an error naming both, not a silent override."""
+    path = _write(tmp_path, "w8.json", {"parallel": {"world_size": 8}})
+    with pytest.raises(ConfigError) as err:
+        _build({"config": str(path)}, world=4)
+    assert _fields(err.value) == {"--nproc"}
+    assert "parallel.world_size 8" in err.value.problems[0].message
+    assert _build({"config": str(path)}, world=8).nproc == 8
+
+
+def test_torchrun_world_size_must_agree_with_the_file(tmp_path):
+    """Under an external torchrun, WORLD_SIZE is the world; a file saying otherwise is refused."""
+    path = _write(tmp_path, "w8.json", {"parallel": {"world_size": 8}})
+    with pytest.raises(ConfigError) as err:
+        _build({"config": str(path)}, torchrun_world=4)
+    assert _fields(err.value) == {"parallel.world_size"}
+    assert "WORLD_SIZE=4" in err.value.problems[0].message
+    assert _build({"config": str(path)}, torchrun_world=8).layout.world_size == 8
+    assert _build({}, torchrun_world=2).layout.world_size == 2
+
+
+def test_a_file_without_world_size_needs_nproc(tmp_path):
+    """As validate-config needs --world-size, train needs --nproc (or torchrun) for a file that has no world size."""
+    path = _write(tmp_path, "now.json", {"ddp": {"outer_dp_sharding_strategy": "no_shard"}})
+    with pytest.raises(ConfigError) as err:
+        _build({"config": str(path)})
+    assert _fields(err.value) == {"parallel.world_size"} and "--nproc N" in err.value.problems[0].message
+    assert _build({"config": str(path)}, world=2).layout.world_size == 2
+
+
+def test_invalid_settings_are_all_reported_by_flag():
     """Bad values are reported together, each under its flag, before anything starts."""
     with pytest.raises(ConfigError) as err:
-        _build(
-            {
-                "outer": "optim",
-                "hidden": 30,
-                "heads": 4,
-                "dtype": "fp16",
-                "data_path": str(tmp_path / "missing"),
-                "save_every": 5,
-                "device": "cuda",
-                "load": str(tmp_path / "no-checkpoint"),
-            }
-        )
-    expected = {"--outer", "--hidden", "--dtype", "--data-path", "--save-every", "--device", "--load"}
-    assert expected <= _fields(err.value)
+        _build({"outer": "optim", "hidden": 30, "heads": 4, "dtype": "fp16", "lr": 0.0, "save_every": 5})
+    assert _fields(err.value) == {"--outer", "--hidden", "--dtype", "--lr", "--save-every"}
+
+
+def test_nproc_zero_blames_nproc():
+    """`--nproc 0` is reported under --nproc, the flag the user typed."""
+    with pytest.raises(ConfigError) as err:
+        _build(world=0)
+    assert _fields(err.value) == {"--nproc"}
+
+
+def test_moe_experts_zero_means_dense():
+    """`--moe-experts 0` is a dense model, as --help says, not an error."""
+    cfg = _build({"num_moe_experts": 0})
+    assert cfg.layout.num_moe_experts is None and cfg.num_moe_experts is None
 
 
 def test_batch_sizes_must_split_over_ranks():
@@ -64,8 +120,86 @@ def test_batch_sizes_must_split_over_ranks():
     assert "--global-batch-size" in _fields(err.value)
 
 
-def test_moe_topk_cannot_exceed_experts():
-    """Routing to more experts than exist is rejected under --moe-topk."""
+def test_moe_topk_cannot_exceed_experts_even_by_default():
+    """Routing to more experts than exist is rejected under --moe-topk, including the default top-k of 2."""
     with pytest.raises(ConfigError) as err:
         _build({"num_moe_experts": 2, "moe_topk": 3})
     assert _fields(err.value) == {"--moe-topk"}
+    with pytest.raises(ConfigError) as err:
+        _build({"num_moe_experts": 1})
+    assert _fields(err.value) == {"--moe-topk"} and "(the default)" in err.value.problems[0].message
+
+
+def test_a_misspelt_key_is_one_problem(tmp_path):
+    """A misspelt key is reported once; its value still counts as the intended key's, so no second complaint."""
+    data = {"parallel": {"world_sise": 8}, "ddp": {"outer_dp_sharding_strategy": "optim"}}
+    data["ddp"]["num_distributed_optimizer_instance"] = 2
+    path = _write(tmp_path, "typo.json", data)
+    for build in (lambda: build_file_config(str(path)), lambda: _build({"config": str(path)})):
+        with pytest.raises(ConfigError) as err:
+            build()
+        assert _fields(err.value) == {"parallel.world_sise", "ddp.num_distributed_optimizer_instance"}
+
+
+def test_every_layout_file_key_is_a_setting():
+    """The settings table knows every key core's MEGATRON_NAMES does, under the same name: one vocabulary."""
+    keys = {s.name: s.key for s in SETTINGS if s.layout}
+    assert keys == MEGATRON_NAMES
+
+
+# validate-config and train agree -----------------------------------------------------------------
+
+VALUES = {
+    "parallel.world_size": [1, 2, 4, 8, 6],
+    "parallel.expert_model_parallel_size": [1, 2],
+    "ddp.data_parallel_sharding_strategy": ["optim_grads_params", "optim_grads", "optim"],
+    "ddp.outer_dp_sharding_strategy": ["no_shard", "optim", "optim_grads"],
+    "ddp.num_distributed_optimizer_instances": [1, 2, 3],
+    "model.num_moe_experts": [0, 1, 2, 4],
+    "model.moe_router_topk": [1, 2, 4],
+    "model.hidden_size": [64, 30, 48],
+    "model.num_attention_heads": [4, 3, 8],
+    "train.lr": [3e-4, 0, -1.0, "1e-4"],
+    "train.dtype": ["fp32", "bf16", "fp16"],
+    "train.clip_grad": [1.0, 0.0, -0.5],
+    "train.train_iters": [1, 0, 20],
+    "train.global_batch_size": [16, 12, 64],
+    "train.micro_batch_size": [1, 2, 4],
+}
+
+
+def test_validate_config_and_train_accept_exactly_the_same_files(tmp_path):
+    """Four hundred generated configs: `validate-config FILE` and `train --config FILE` give the same verdict
+    and the same problems, because both go through one resolve()."""
+    rng = random.Random(9)
+    verdicts = []
+    for i in range(400):
+        data: dict = {"parallel": {"world_size": rng.choice(VALUES["parallel.world_size"])}}
+        for key in rng.sample(list(VALUES), rng.randint(0, 6)):
+            section, name = key.split(".")
+            data.setdefault(section, {})[name] = rng.choice(VALUES[key])
+        path = _write(tmp_path, f"c{i}.json", data)
+        outcomes = []
+        for build in (lambda p=path: build_file_config(str(p)), lambda p=path: _build({"config": str(p)})):
+            try:
+                cfg = build()
+                outcomes.append(("ok", cfg.layout, dict(cfg.values)))
+            except ConfigError as err:
+                outcomes.append(("refused", sorted((p.field, p.message) for p in err.problems)))
+        assert outcomes[0] == outcomes[1], (data, outcomes)
+        verdicts.append(outcomes[0][0])
+    assert 50 < verdicts.count("ok") < 350  # both verdicts are well represented
+
+
+def test_unreadable_config_file_is_a_config_file_error(tmp_path):
+    """train --config on a missing file raises ConfigFileError (exit 2), not a ConfigError."""
+    with pytest.raises(ConfigFileError):
+        _build({"config": str(tmp_path / "missing.yaml")})
+
+
+@pytest.mark.parametrize(("flag", "value"), list(itertools.product(["lr", "clip_grad"], [float("nan"), float("inf")])))
+def test_non_finite_numbers_are_refused(flag, value):
+    """NaN and infinity are not learning rates or clipping norms."""
+    with pytest.raises(ConfigError) as err:
+        _build({flag: value})
+    assert _fields(err.value) == {"--" + flag.replace("_", "-")}

@@ -7,6 +7,10 @@ modules inside their bodies.
 
 from __future__ import annotations
 
+import inspect
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated
+
 import typer
 
 from hfsdp.cli.ckpt import app as ckpt_app
@@ -19,15 +23,35 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # Inherited by every subcommand (click passes both down): -h works everywhere, defaults are shown.
+    context_settings={"help_option_names": ["-h", "--help"], "show_default": True},
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        try:
+            typer.echo(f"hfsdp {version('hfsdp-cli')}")
+        except PackageNotFoundError:
+            typer.echo("hfsdp (version unknown: the hfsdp-cli package is not installed)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(
+    _: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", callback=_version, is_eager=True)
+    ] = False,
+) -> None:
     """Hybrid-sharded data parallelism for PyTorch and megatron-core."""
-    # A callback keeps `hfsdp` a group even while it has a single command.
+    # A callback keeps `hfsdp` a group, and carries --version.
 
 
-app.command("train")(train)
-app.command("validate-config")(validate_config)
+def _help(command) -> str:
+    """The command's docstring with each paragraph on one line (typer keeps single line breaks)."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(command.__doc__).split("\n\n"))
+
+
+app.command("train", help=_help(train))(train)
+app.command("validate-config", help=_help(validate_config))(validate_config)
 app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard and export checkpoints.")

@@ -1,86 +1,67 @@
-"""Everything `hfsdp train` needs, merged from defaults, the config file and the flags, and validated.
+"""From flags, a config file and defaults to one validated `TrainConfig`: the same function for every command.
 
-Precedence is flag > file > default. Layout fields go through `LayoutConfig`, so the
-trainer enforces exactly the rules `validate-config` does; problems are reported
-under the name the user wrote: the flag (`--outer`) or the file key
-(`ddp.outer_dp_sharding_strategy`). Nothing here starts a process.
+Precedence is flag > file > default, per setting (`gather`). `resolve` then applies every
+rule: each setting's own check and the rules between settings (`settings.py`), and the
+layout rules of core's `LayoutConfig`. `hfsdp train` calls it through `build_train_config`
+and `hfsdp validate-config` through `build_file_config`, so a file that one accepts the
+other accepts. Each problem names the setting as the user wrote it: the flag (`--outer`),
+the file key (`ddp.outer_dp_sharding_strategy`) or, for a default, the key a file would use
+(or the flag, when there is no file) with "(the default)". Nothing here starts a process,
+touches the disk beyond the config file, or imports torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from hfsdp.cli.config_file import file_problems, load_config_file
+from hfsdp.cli.config_file import FileValues, read_config_file
+from hfsdp.cli.report import shown
+from hfsdp.cli.settings import BY_NAME, RULES, SETTINGS
 from hfsdp.core.config import ConfigError, LayoutConfig, Problem
 
-#: LayoutConfig field -> the flag that sets it.
-LAYOUT_FLAGS = {
-    "world_size": "--nproc",
-    "inner": "--inner",
-    "outer": "--outer",
-    "instances": "--instances",
-    "ep": "--ep",
-    "expert_strategy": "--expert-strategy",
-    "expert_instances": "--expert-instances",
-    "expert_outer": "--expert-outer",
-    "num_moe_experts": "--moe-experts",
-    "global_batch_size": "--global-batch-size",
-    "micro_batch_size": "--micro-batch-size",
-}
+FLAG, FILE, DEFAULT, ENV = "flag", "file", "default", "env"
+#: Microbatches per optimizer step when --global-batch-size is not given.
+DEFAULT_MICROBATCHES = 2
 
-#: Trainer setting -> (file key, default).
-SETTINGS: dict[str, tuple[str | None, Any]] = {
-    "steps": ("train.train_iters", 20),
-    "lr": ("train.lr", 3e-3),
-    "clip_grad": ("train.clip_grad", 1.0),
-    "seed": ("train.seed", 0),
-    "dtype": ("train.dtype", "fp32"),
-    "layers": ("model.num_layers", 2),
-    "hidden": ("model.hidden_size", 64),
-    "heads": ("model.num_attention_heads", 4),
-    "vocab": ("model.vocab_size", 128),
-    "seq_len": ("model.seq_length", 32),
-    "moe_topk": ("model.moe_router_topk", 2),
-    "weight_decay": (None, 0.01),
-    "device": (None, "auto"),
-    "metrics": (None, None),
-    "data_path": (None, None),
-    "save": (None, None),
-    "save_every": (None, None),
-    "load": (None, None),
-    "debug_fail_rank": (None, None),
-}
-LAYOUT_DEFAULTS = {"global_batch_size": 16, "micro_batch_size": 2}
+
+@dataclass(frozen=True)
+class Given:
+    """A setting's value and where it came from: `spelled` is the flag, file key or variable that set it."""
+
+    value: Any
+    spelled: str
+    source: str  # FLAG, FILE, DEFAULT or ENV
+
+    def said(self) -> str:
+        """'--hidden 30', 'model.moe_router_topk 2 (the default)': the setting as a message quotes it."""
+        return f"{self.spelled} {shown(self.value)}" + (" (the default)" if self.source == DEFAULT else "")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A validated training run: the layout, the model's size and the loop's settings."""
+    """A validated training run: the layout, the local process count, and every other setting by name.
+
+    Settings read as attributes (`cfg.lr`, `cfg.steps`); `given` says where each came from, which
+    matters on resume: a value the user set (flag or file) wins over the checkpoint's.
+    """
 
     layout: LayoutConfig
     nproc: int
-    steps: int = 20
-    lr: float = 3e-3
-    clip_grad: float = 1.0
-    seed: int = 0
-    dtype: str = "fp32"
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    vocab: int = 128
-    seq_len: int = 32
-    moe_topk: int = 2
-    weight_decay: float = 0.01
-    device: str = "auto"
-    metrics: str | None = None
-    data_path: str | None = None
-    save: str | None = None
-    save_every: int | None = None
-    load: str | None = None
-    debug_fail_rank: int | None = None
-    sources: dict[str, str] = field(default_factory=dict, compare=False)
+    values: Mapping[str, Any]
+    given: Mapping[str, Given] = field(default_factory=dict, compare=False)
+    config_path: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("values")
+        if values is None or name not in values:
+            raise AttributeError(name)
+        return values[name]
+
+    def explicit(self, name: str) -> bool:
+        """Whether the user set `name` (by flag or config file) rather than leaving the default."""
+        return name in self.given and self.given[name].source in (FLAG, FILE)
 
     @property
     def num_microbatches(self) -> int:
@@ -88,94 +69,186 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.layout.global_batch_size * self.seq_len
+        return self.layout.global_batch_size * self.values["seq_len"]
 
 
-def build_train_config(flags: dict[str, Any], world_size: int, nproc: int, cuda_available: bool) -> TrainConfig:
-    """Merge defaults < config file < flags and validate; raise ConfigError naming flags or file keys."""
-    file_layout: dict[str, Any] = {}
-    file_extras: dict[str, Any] = {}
-    if flags.get("config"):
-        loaded = load_config_file(flags["config"], world_size_override=world_size)
-        file_layout = {k: v for k, v in loaded.layout.to_dict().items() if v is not None}
-        file_extras = {f"model.{k}": v for k, v in loaded.model.items()} | {
-            f"train.{k}": v for k, v in loaded.train.items()
-        }
-    names: dict[str, str] = {}
-    layout: dict[str, Any] = {"world_size": world_size}
-    for name, flag in LAYOUT_FLAGS.items():
-        if name == "world_size":
+def gather(flags: Mapping[str, Any], file: FileValues | None, world: Given | None) -> dict[str, Given]:
+    """Every setting's Given: flag > file > default; `world` is the world size its caller settled on."""
+    given: dict[str, Given] = {}
+    for s in SETTINGS:
+        if s.name == "world_size":
             continue
-        if flags.get(name) is not None:
-            layout[name], names[name] = flags[name], flag
-        elif name in file_layout:
-            layout[name] = file_layout[name]
-        elif name in LAYOUT_DEFAULTS:
-            layout[name], names[name] = LAYOUT_DEFAULTS[name], flag
-    settings: dict[str, Any] = {}
-    for name, (key, default) in SETTINGS.items():
-        settings[name] = flags[name] if flags.get(name) is not None else file_extras.get(key, default)
-    problems = _setting_problems(settings, cuda_available)
-    try:
-        cfg = LayoutConfig(**layout)
-    except ConfigError as err:
-        raise ConfigError(problems + file_problems(err.problems, names)) from None
-    experts = cfg.num_moe_experts
-    if experts and isinstance(settings["moe_topk"], int) and settings["moe_topk"] > experts:
-        problems.append(
-            Problem(
-                "--moe-topk",
-                f"--moe-topk {settings['moe_topk']} exceeds --moe-experts {experts}; "
-                "route each token to at most as many experts as exist.",
-            )
-        )
-    if problems:
+        if s.flag and flags.get(s.name) is not None:
+            given[s.name] = Given(flags[s.name], s.flag, FLAG)
+        elif file is not None and s.name in file.values:
+            value, key = file.values[s.name]
+            given[s.name] = Given(value, key, FILE)
+        else:
+            spelled = (s.key if file is not None else s.flag) or s.key or s.flag or s.name
+            given[s.name] = Given(s.default, spelled, DEFAULT)
+    if world is not None:
+        given["world_size"] = world
+    return given
+
+
+def resolve(
+    given: Mapping[str, Given],
+    problems: list[Problem] | None = None,
+    nproc: int | None = None,
+    world_flag: str = "--nproc",
+) -> TrainConfig:
+    """Check every value and rule; return the TrainConfig or raise ConfigError with every problem at once.
+
+    `world_flag` is the option that supplies a world size a file lacks, for the message saying so.
+    """
+    problems = list(problems or [])
+    values: dict[str, Any] = {}
+    good: set[str] = set()
+    for s in SETTINGS:
+        if s.name not in given or s.layout or s.name == "nproc":
+            continue
+        g = given[s.name]
+        optional_and_unset = g.value is None and s.default is None
+        wrong = s.check(g.value) if s.check and not optional_and_unset else None
+        if wrong:
+            problems.append(Problem(g.spelled, f"{g.spelled} {wrong}; got {shown(g.value)}."))
+            continue
+        values[s.name] = float(g.value) if s.type is float and g.value is not None else g.value
+        good.add(s.name)
+
+    layout = _layout(given, problems, good, values, world_flag)
+    for rule in RULES:
+        if all(name in good for name in rule.names):
+            message = rule.check({n: values[n] for n in rule.names}, lambda n: given[n].said())
+            if message:
+                problems.append(Problem(given[rule.names[0]].spelled, message))
+    if problems or layout is None:
         raise ConfigError(problems)
-    return TrainConfig(layout=cfg, nproc=nproc, **settings)
+    return TrainConfig(
+        layout=layout,
+        nproc=nproc if nproc is not None else layout.world_size,
+        values=values,
+        given=dict(given),
+    )
 
 
-def _setting_problems(s: dict[str, Any], cuda_available: bool) -> list[Problem]:
-    problems = []
+def _layout(
+    given: Mapping[str, Given], problems: list[Problem], good: set[str], values: dict[str, Any], world_flag: str
+) -> LayoutConfig | None:
+    """Build the LayoutConfig (core's rules), renaming its problems' fields to what the user wrote."""
+    kwargs = {s.name: given[s.name].value for s in SETTINGS if s.layout and s.name in given}
+    experts = kwargs.get("num_moe_experts")
+    if experts == 0 and _is_int(experts):
+        kwargs["num_moe_experts"] = experts = None  # 0 experts: a dense model, as --help says
+    if experts is None or (_is_int(experts) and experts >= 1):
+        values["num_moe_experts"] = experts  # for the rules between settings, even if the layout fails
+        good.add("num_moe_experts")
+    if given["global_batch_size"].source == DEFAULT:
+        kwargs["global_batch_size"] = _default_global_batch(kwargs)
+    world = given.get("world_size")
+    missing = world is None or world.value is None
+    if missing:
+        kwargs["world_size"] = None  # still let core check everything it can without it
+    try:
+        layout = LayoutConfig(**kwargs)
+    except ConfigError as err:
+        for p in err.problems:
+            g = given.get(p.field)
+            if p.field == "world_size" and missing:
+                problems.append(_missing_world(given.get("world_size"), world_flag))
+            elif g is None:
+                problems.append(p)
+            else:  # core names the field by its short name: say it as the user wrote it
+                message = g.spelled + p.message[len(p.field) :] if p.message.startswith(p.field + " ") else p.message
+                problems.append(Problem(g.spelled, message))
+        return None
+    return layout
 
-    def bad(flag: str, message: str) -> None:
-        problems.append(Problem(flag, message))
 
-    for name in ("steps", "layers", "hidden", "heads", "vocab", "seq_len", "moe_topk"):
-        value = s[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            bad(_flag(name), f"{_flag(name)} must be a positive integer, got {value!r}.")
-    if isinstance(s["hidden"], int) and isinstance(s["heads"], int) and s["heads"] > 0 and s["hidden"] % s["heads"]:
-        bad("--hidden", f"--hidden {s['hidden']} is not divisible by --heads {s['heads']}; pick a multiple of it.")
-    if not (isinstance(s["lr"], int | float) and s["lr"] > 0):
-        bad("--lr", f"--lr must be a positive number, got {s['lr']!r}.")
-    if not (isinstance(s["clip_grad"], int | float) and s["clip_grad"] >= 0):
-        bad("--clip-grad", f"--clip-grad must be >= 0 (0 turns clipping off), got {s['clip_grad']!r}.")
-    if s["dtype"] not in ("fp32", "bf16"):
-        bad("--dtype", f"--dtype is {s['dtype']!r}; hfsdp trains in 'fp32' or 'bf16'.")
-    if s["device"] not in ("auto", "cpu", "cuda"):
-        bad("--device", f"--device is {s['device']!r}; use 'auto', 'cpu' or 'cuda'.")
-    if s["device"] == "cuda" and not cuda_available:
-        bad("--device", "--device cuda was asked for but no CUDA device is visible; use --device cpu or auto.")
-    if s["data_path"] is not None:
-        prefix = Path(s["data_path"])
-        missing = [str(prefix) + ext for ext in (".bin", ".idx") if not Path(str(prefix) + ext).is_file()]
-        if missing:
-            bad(
-                "--data-path",
-                f"--data-path {prefix} needs {' and '.join(missing)}, which do not exist; "
-                "give the prefix of a Megatron indexed dataset (PREFIX.bin and PREFIX.idx).",
+def _missing_world(world: Given | None, world_flag: str) -> Problem:
+    spelled = world.spelled if world else "parallel.world_size"
+    return Problem(
+        spelled,
+        f"{spelled} is missing: the file does not say how many ranks the layout is for; set it in the file's "
+        f"'parallel' section, or pass {world_flag} N.",
+    )
+
+
+def _default_global_batch(kwargs: Mapping[str, Any]) -> int | None:
+    """DEFAULT_MICROBATCHES microbatches on every data-parallel rank, when the sizes it needs are valid."""
+    sizes = [kwargs.get(n) for n in ("micro_batch_size", "world_size", "tp", "pp", "cp")]
+    if not all(_is_int(v) and v >= 1 for v in sizes):
+        return None
+    mbs, world, tp, pp, cp = sizes
+    return DEFAULT_MICROBATCHES * mbs * max(1, world // (tp * pp * cp))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The two entry points ----------------------------------------------------------------------------
+
+
+def build_file_config(path: str, world_size: int | None = None) -> TrainConfig:
+    """`hfsdp validate-config PATH [--world-size N]`: the run `hfsdp train --config PATH` would make.
+
+    --world-size replaces the file's world size. Raises ConfigFileError or ConfigError.
+    """
+    file = read_config_file(path)
+    if world_size is not None:
+        world = Given(world_size, "--world-size", FLAG)
+    elif "world_size" in file.values:
+        value, key = file.values["world_size"]
+        world = Given(value, key, FILE)
+    else:
+        world = Given(None, "parallel.world_size", FILE)
+    return resolve(gather({}, file, world), file.problems, world_flag="--world-size")
+
+
+def build_train_config(flags: Mapping[str, Any], torchrun_world: int | None = None) -> TrainConfig:
+    """`hfsdp train`: flags over `--config FILE` over defaults. Raises ConfigFileError or ConfigError.
+
+    The world size: under an external torchrun its WORLD_SIZE (`torchrun_world`), which the file
+    must agree with; else --nproc, which the file must agree with; else the file's; else 4 without
+    a file. A file without a world size needs --nproc (or torchrun), as validate-config needs
+    --world-size, so the two commands accept the same files.
+    """
+    file = read_config_file(flags["config"]) if flags.get("config") else None
+    problems = list(file.problems) if file else []
+    world, nproc = _world(flags, file, torchrun_world, problems)
+    return resolve(gather(flags, file, world), problems, nproc=nproc)
+
+
+def _world(
+    flags: Mapping[str, Any], file: FileValues | None, torchrun_world: int | None, problems: list[Problem]
+) -> tuple[Given, int | None]:
+    in_file = file.values.get("world_size") if file else None
+    setting = BY_NAME["nproc"]
+    if torchrun_world is not None:
+        world = Given(torchrun_world, "WORLD_SIZE", ENV)
+        if in_file is not None and in_file[0] != torchrun_world:
+            problems.append(
+                Problem(
+                    in_file[1],
+                    f"{in_file[1]} is {shown(in_file[0])} but torchrun started {torchrun_world} ranks "
+                    f"(WORLD_SIZE={torchrun_world}); start as many ranks as the file says, or change the file.",
+                )
             )
-    if s["load"] is not None and not Path(s["load"]).is_dir():
-        bad(
-            "--load",
-            f"--load {s['load']} is not a directory; give a checkpoint root (with 'latest') or a step directory.",
-        )
-    if s["save_every"] is not None and (not isinstance(s["save_every"], int) or s["save_every"] < 1):
-        bad("--save-every", f"--save-every must be a positive integer, got {s['save_every']!r}.")
-    if s["save_every"] is not None and s["save"] is None:
-        bad("--save-every", "--save-every needs --save DIR to say where checkpoints go.")
-    return problems
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+        return world, flags.get("nproc")
+    if flags.get("nproc") is not None:
+        world = Given(flags["nproc"], "--nproc", FLAG)
+        if in_file is not None and in_file[0] != flags["nproc"]:
+            problems.append(
+                Problem(
+                    "--nproc",
+                    f"--nproc {shown(flags['nproc'])} disagrees with {in_file[1]} {shown(in_file[0])} in "
+                    f"{file.path}; drop --nproc to train on the file's ranks, or change the file.",
+                )
+            )
+        return world, flags["nproc"]
+    if in_file is not None:
+        return Given(in_file[0], in_file[1], FILE), in_file[0] if _is_int(in_file[0]) else None
+    if file is not None:
+        return Given(None, "parallel.world_size", FILE), None
+    return Given(setting.default, "--nproc", DEFAULT), setting.default

@@ -2,10 +2,13 @@
 
 Exit 0 and a summary of what the layout will do (meshes, placements, memory per
 parameter); exit 1 and every problem at once; exit 2 when the file cannot be read.
-`--format json` prints one object in all three cases, for scripts and CI.
+`--format json` prints one object in all three cases, for scripts and CI. The rules are
+`hfsdp train`'s own (`train_config.build_file_config`): a file valid here trains with
+`hfsdp train --config FILE`, and one refused here is refused there.
 
-The summary needs the placement table, which imports torch; it is imported here,
-inside the command, so that `hfsdp --help` and invalid files stay fast.
+Nothing here imports torch or megatron-core: the summary reads the placement
+table's names (`hfsdp.core.placement_names`), so a CI job gets its answer in a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from hfsdp.cli.config_file import ConfigFileError, load_config_file
+from hfsdp.cli.config_file import ConfigFileError
+from hfsdp.cli.report import printable
+from hfsdp.cli.settings import SETTINGS, STRATEGIES
+from hfsdp.cli.train_config import DEFAULT, TrainConfig, build_file_config
 from hfsdp.core.config import MEGATRON_NAMES, ConfigError, LayoutConfig, Problem
 
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 STATES = (("param", "params"), ("grad", "grads"), ("optim", "optimizer"))
-BYTES_NOTE = "bf16 params and grads, fp32 main weights and Adam state (DESIGN.md §4)"
+BYTES_NOTE = "bf16 params and grads, fp32 main weights and Adam state"
 
 
 class OutputFormat(StrEnum):
@@ -32,34 +38,46 @@ class OutputFormat(StrEnum):
 
 
 def validate_config(
-    file: Annotated[Path, typer.Argument(help="Config file (.yaml, .yml, .toml or .json).", show_default=False)],
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help=f"Config file (.yaml, .yml, .toml or .json). Sharding strategies: {STRATEGIES}.", show_default=False
+        ),
+    ],
     output_format: Annotated[
         OutputFormat, typer.Option("--format", help="text for people, json for scripts (one object).")
     ] = OutputFormat.text,
     world_size: Annotated[
-        int | None, typer.Option("--world-size", help="Use this world size instead of the file's.", show_default=False)
+        int | None,
+        typer.Option(
+            "--world-size", help="Use this world size instead of the file's.", show_default="the file's world_size"
+        ),
     ] = None,
 ) -> None:
-    """Check a config file and summarise the layout it describes; exit 0 valid, 1 invalid, 2 unreadable."""
+    """Check a config file with `hfsdp train`'s rules and summarise it; exit 0 valid, 1 invalid, 2 unreadable."""
     as_json = output_format is OutputFormat.json
     try:
-        loaded = load_config_file(file, world_size_override=world_size)
+        cfg = build_file_config(str(file), world_size=world_size)
     except ConfigFileError as err:
         _report_unreadable(err, as_json)
         raise typer.Exit(EXIT_UNREADABLE) from None
     except ConfigError as err:
         _report_invalid(file, err.problems, as_json)
         raise typer.Exit(EXIT_INVALID) from None
-    summary = summarize(loaded.layout)
+    summary = summarize(cfg.layout, cfg)
     if as_json:
         _print_json(True, [], summary)
     else:
         _print_summary(file, summary)
 
 
-def summarize(cfg: LayoutConfig) -> dict[str, Any]:
-    """What the layout does, as plain data: the JSON `summary` and the source of the text one."""
-    from hfsdp.core.layout import dense_layout, expert_layout  # imports torch: keep it out of `hfsdp --help`
+def summarize(cfg: LayoutConfig, run: TrainConfig | None = None) -> dict[str, Any]:
+    """What the layout does, as plain data: the JSON `summary` and the source of the text one.
+
+    With `run`, `settings` lists the trainer's file-settable settings, each with its value and
+    whether the file set it or it is the default.
+    """
+    from hfsdp.core.layout import dense_layout, expert_layout
 
     expert: dict[str, Any] | None = None
     if cfg.num_moe_experts is not None:
@@ -80,23 +98,33 @@ def summarize(cfg: LayoutConfig) -> dict[str, Any]:
         "expert": expert,
         "bytes_per_param_assumes": BYTES_NOTE,
         "config": {MEGATRON_NAMES[k]: v for k, v in cfg.to_dict().items()},
+        "settings": _settings(run) if run is not None else None,
+    }
+
+
+def _settings(run: TrainConfig) -> dict[str, Any]:
+    """{file key: {"value", "default"}} of every non-layout setting a config file can set."""
+    return {
+        s.key: {"value": run.values[s.name], "default": run.given[s.name].source == DEFAULT}
+        for s in SETTINGS
+        if s.key and not s.layout and s.name in run.values
     }
 
 
 def _mesh_summary(mesh) -> dict[str, Any]:
-    from hfsdp.core.placement import describe
+    from hfsdp.core.placement_names import describe_names
 
     return {
         "mesh": {"names": list(mesh.names), "shape": list(mesh.shape)},
         "strategies": [a.strategy.value for a in mesh.axes],
-        "placements": {state: describe(mesh.placements.of(state)) for state, _ in STATES},
+        "placements": {state: describe_names(mesh.placement_names(state)) for state, _ in STATES},
         "bytes_per_param": mesh.bytes_per_param(),
     }
 
 
 def _console(stderr: bool = False) -> Console:
     # soft_wrap: never break a message in the middle; people grep these lines.
-    return Console(stderr=stderr, soft_wrap=True, highlight=False)
+    return Console(stderr=stderr, soft_wrap=True, highlight=False, emoji=False)
 
 
 def _print_json(valid: bool, problems: list[Problem] | tuple[Problem, ...], summary: dict[str, Any] | None) -> None:
@@ -108,7 +136,7 @@ def _report_unreadable(err: ConfigFileError, as_json: bool) -> None:
     if as_json:
         _print_json(False, [Problem("file", str(err))], None)
     else:
-        _console(stderr=True).print(f"hfsdp validate-config: {err}", markup=False)
+        _console(stderr=True).print(printable(f"hfsdp validate-config: {err}"), markup=False)
 
 
 def _report_invalid(file: Path, problems: tuple[Problem, ...], as_json: bool) -> None:
@@ -117,14 +145,14 @@ def _report_invalid(file: Path, problems: tuple[Problem, ...], as_json: bool) ->
         return
     console = _console()
     count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
-    console.print(f"{file} is not a valid hfsdp config ({count}):", markup=False)
+    console.print(printable(f"{file} is not a valid hfsdp config ({count}):"), markup=False)
     for p in problems:
-        console.print(f"  - {p.field}: {p.message}", markup=False)
+        console.print(printable(f"  - {p.field}: {p.message}"), markup=False)
 
 
 def _print_summary(file: Path, s: dict[str, Any]) -> None:
     console = _console()
-    console.print(f"{file} is a valid hfsdp config.", markup=False)
+    console.print(printable(f"{file} is a valid hfsdp config."), markup=False)
     console.print(f"Layout: {s['layout']}", markup=False)
     batch = ""
     if s["num_microbatches"] is not None:
@@ -156,6 +184,9 @@ def _print_summary(file: Path, s: dict[str, Any]) -> None:
             " experts one expert-parallel rank holds."
         )
     console.print(note, markup=False)
+    if s["settings"]:
+        listed = ", ".join(f"{k} {v['value']}{'*' if v['default'] else ''}" for k, v in s["settings"].items())
+        console.print(printable(f"Trainer settings (* the default): {listed}."), markup=False)
 
 
 def _mesh_text(mesh: dict[str, list]) -> str:

@@ -11,16 +11,24 @@ significant digit of the piece index. On `(dp_outer=R, dp_shard=N)` the rank at
 (o, i) holds piece `i*R + o` of `N*R`, so a rank's optimizer shard is a
 sub-range of its gradient shard and every outer collective works on one
 contiguous range.
+
+Nothing here imports torch: which axes shard what is read off the placement
+names (`placement_names.py`), and the torch placement objects are built only
+when `placements` is asked for, so describing a layout stays cheap.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hfsdp.core.config import LayoutConfig
-from hfsdp.core.placement import Placements, State, compose, is_shard
+from hfsdp.core.placement_names import State, is_shard_name, names_of
 from hfsdp.core.strategy import Strategy
+
+if TYPE_CHECKING:
+    from hfsdp.core.placement import Placements
 
 DENSE_AXES = ("dp_outer", "dp_shard")
 EXPERT_AXES = ("expert_dp_outer", "expert_dp")
@@ -53,11 +61,18 @@ class MeshLayout:
 
     @property
     def placements(self) -> Placements:
+        """torch's DTensor placements of every state on this mesh (imports torch)."""
+        from hfsdp.core.placement import compose
+
         return compose([a.strategy for a in self.axes])
+
+    def placement_names(self, state: State) -> tuple[str, ...]:
+        """The placements of `state` as names, outer axis first: `("Replicate()", "Shard(0)")`; no torch."""
+        return names_of([a.strategy for a in self.axes], state)
 
     def sharded_axes(self, state: State) -> tuple[int, ...]:
         """Indices of the axes that shard `state`, outer first."""
-        return tuple(k for k, p in enumerate(self.placements.of(state)) if is_shard(p))
+        return tuple(k for k, name in enumerate(self.placement_names(state)) if is_shard_name(name))
 
     def shard_factor(self, state: State) -> int:
         """Into how many pieces `state` is cut (the product of its sharding axes' sizes)."""

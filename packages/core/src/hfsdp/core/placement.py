@@ -3,26 +3,21 @@
 Every layout hfsdp supports falls out of `PLACEMENT_TABLE` applied axis by axis;
 there is no HSDP or HFSDP special case anywhere. The engine derives all of its
 collectives from these placements (see `plan.py`), so the table is the single
-source of truth for what is communicated.
+source of truth for what is communicated. The table is built from the torch-free
+`placement_names.PLACEMENT_NAMES`, which tools that only describe a layout read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from hfsdp.core.placement_names import PARTIAL, PLACEMENT_NAMES, REPLICATE, SHARD0, State
 from hfsdp.core.strategy import Strategy
 
-
-class State(StrEnum):
-    """The three kinds of model state a strategy may shard."""
-
-    PARAM = "param"
-    GRAD = "grad"
-    OPTIM = "optim"
+__all__ = ["PLACEMENT_TABLE", "AxisPlacements", "Placements", "State", "compose", "describe", "is_shard"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +32,11 @@ class AxisPlacements:
         return getattr(self, State(state).value)
 
 
+_FROM_NAME = {REPLICATE: Replicate(), PARTIAL: Partial(), SHARD0: Shard(0)}
+
 PLACEMENT_TABLE: dict[Strategy, AxisPlacements] = {
-    Strategy.NO_SHARD: AxisPlacements(Replicate(), Partial(), Replicate()),
-    Strategy.OPTIM: AxisPlacements(Replicate(), Partial(), Shard(0)),
-    Strategy.OPTIM_GRADS: AxisPlacements(Replicate(), Shard(0), Shard(0)),
-    Strategy.OPTIM_GRADS_PARAMS: AxisPlacements(Shard(0), Shard(0), Shard(0)),
+    strategy: AxisPlacements(**{state.value: _FROM_NAME[name] for state, name in row.items()})
+    for strategy, row in PLACEMENT_NAMES.items()
 }
 
 

@@ -1,0 +1,65 @@
+"""What rank 0 shows while training: a progress bar on a terminal, plain lines in a log.
+
+A bar redraws one line with carriage returns, which a log file or a CI console turns
+into noise; so when stdout is not a terminal, one plain line every `--log-every` steps
+(and at the last step) says the same. The launcher has already said "starting N ranks".
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hfsdp.cli.report import say
+
+
+def reporter(total: int, start: int, every: int):
+    """A context manager with `update(record)`: a rich bar on a terminal, plain lines otherwise."""
+    if sys.stdout.isatty():
+        return _Bar(total, start)
+    return _Lines(total, every)
+
+
+def describe(r: dict) -> str:
+    return (
+        f"loss {r['loss']:.4f}  grad norm {r['grad_norm']:.3g}  {r['tokens_per_s']:,.0f} tok/s  "
+        f"{r['peak_memory_mb']:,.0f} MiB"
+    )
+
+
+class _Lines:
+    def __init__(self, total: int, every: int):
+        self.total, self.every = total, every
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, r: dict) -> None:
+        if r["step"] % self.every == 0 or r["step"] == self.total:
+            say(f"step {r['step']}/{self.total}  {describe(r)}")
+
+
+class _Bar:
+    def __init__(self, total: int, start: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def update(self, r: dict) -> None:
+        self.progress.update(self.task, completed=r["step"], info=describe(r))

@@ -1,0 +1,307 @@
+"""Everything a training run can be told, in one table: flag, config-file key, default, help, rule.
+
+`hfsdp train` generates its options from `SETTINGS`, the config-file reader finds keys
+through it, and `train_config.resolve` checks every value with the rules written here,
+for `hfsdp train` and `hfsdp validate-config` alike: one set of rules, so a file one
+accepts the other accepts. Adding a setting is one `Setting(...)` entry (and, when it
+relates to others, one `Rule`).
+
+Layout settings (`layout=True`) are checked by core's `LayoutConfig`, the one home of
+the layout rules; their file keys are core's `MEGATRON_NAMES`. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hfsdp.core.config import MEGATRON_NAMES
+from hfsdp.core.strategy import Strategy
+
+#: A per-value rule: None when `value` is fine, else what it must be ("must be a positive whole number ...").
+Check = Callable[[Any], str | None]
+
+STRATEGIES = ", ".join(Strategy.names())
+DTYPES = ("fp32", "bf16")  # what the trainer runs; fp16 would need loss scaling, which it does not do
+DEVICES = ("auto", "cpu", "cuda")
+#: One megatron-core seed offset is added to the seed; keep the sum a valid 32-bit seed.
+MAX_SEED = 2**31 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive_int(value: object) -> str | None:
+    return None if _is_int(value) and value >= 1 else "must be a positive whole number such as 1, 2 or 8"
+
+
+def seed(value: object) -> str | None:
+    return None if _is_int(value) and 0 <= value <= MAX_SEED else f"must be a whole number from 0 to {MAX_SEED}"
+
+
+def positive_number(value: object) -> str | None:
+    return None if _is_number(value) and value > 0 else "must be a positive number such as 3e-4"
+
+
+def non_negative_number(value: object) -> str | None:
+    return None if _is_number(value) and value >= 0 else "must be a number >= 0 such as 0, 0.01 or 1.0"
+
+
+def one_of(*choices: str) -> Check:
+    def check(value: object) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def path(value: object) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "must be a path"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One thing a run can be told. `name` is the attribute of TrainConfig (or the LayoutConfig field)."""
+
+    name: str
+    flag: str | None  # the `hfsdp train` option; None when only a config file sets it
+    default: Any
+    type: type  # of the flag's value
+    help: str
+    check: Check | None = None  # layout settings: None, LayoutConfig checks them
+    key: str | None = None  # the config-file key, Megatron's name; None when only the flag sets it
+    layout: bool = False
+    arch: bool = False  # part of the model's architecture: a resumed checkpoint must have the same
+    panel: str = "Training"  # the group --help lists it under
+    default_text: str | None = None  # what --help shows as the default, when not str(default)
+    hidden: bool = False
+
+    @property
+    def shown_default(self) -> str:
+        return self.default_text if self.default_text is not None else str(self.default)
+
+
+def _layout(name: str, flag: str | None, default: Any, type_: type, help_text: str, **kw) -> Setting:
+    """A LayoutConfig field: its file key is core's MEGATRON_NAMES entry, its rules are LayoutConfig's."""
+    return Setting(name, flag, default, type_, help_text, key=MEGATRON_NAMES[name], layout=True, panel="Layout", **kw)
+
+
+def _model(name: str, flag: str, default: int, key: str, help_text: str, arch: bool = True) -> Setting:
+    """A size of the model: a positive whole number under `model.` in a config file."""
+    return Setting(name, flag, default, int, help_text, positive_int, key=f"model.{key}", arch=arch, panel="Model")
+
+
+def _output(name: str, flag: str, default: Any, type_: type, help_text: str, check: Check, shown: str) -> Setting:
+    """A flag-only setting about where results go (--metrics, checkpoints): shown default in words."""
+    panel = "Checkpoints" if name.startswith(("save", "load")) else "Output"
+    return Setting(name, flag, default, type_, help_text, check, panel=panel, default_text=shown)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # The layout. world_size comes from --nproc, the file or torchrun (train_config._world), never a flag of its own.
+    _layout("world_size", None, None, int, "Ranks in the whole job.", default_text="--nproc"),
+    _layout("tp", None, 1, int, "Tensor-parallel size (1: not supported yet)."),
+    _layout("pp", None, 1, int, "Pipeline-parallel size (1: not supported yet)."),
+    _layout("cp", None, 1, int, "Context-parallel size (1: not supported yet)."),
+    _layout(
+        "inner",
+        "--inner",
+        "optim_grads_params",
+        str,
+        f"Sharding inside an instance (data_parallel_sharding_strategy): {STRATEGIES}.",
+    ),
+    _layout(
+        "outer", "--outer", "no_shard", str, f"Sharding across instances (outer_dp_sharding_strategy): {STRATEGIES}."
+    ),
+    _layout("instances", "--instances", 1, int, "Number of instances (num_distributed_optimizer_instances)."),
+    _layout("ep", "--ep", 1, int, "Expert-parallel size."),
+    _layout(
+        "expert_strategy", "--expert-strategy", None, str, f"Sharding of experts: {STRATEGIES}.", default_text="--inner"
+    ),
+    _layout("expert_instances", "--expert-instances", 1, int, "Opt-in outer axis for experts: its size."),
+    _layout(
+        "expert_outer", "--expert-outer", "no_shard", str, f"Opt-in outer axis for experts: its sharding, {STRATEGIES}."
+    ),
+    _layout("num_moe_experts", "--moe-experts", None, int, "MoE experts; 0: a dense model.", default_text="0"),
+    _layout(
+        "global_batch_size",
+        "--global-batch-size",
+        None,
+        int,
+        "Sequences per optimizer step (gradient accumulation follows).",
+        default_text="2 microbatches: 2 x micro-batch-size x ranks",
+    ),
+    _layout("micro_batch_size", "--micro-batch-size", 2, int, "Sequences per rank per microbatch."),
+    Setting(
+        "nproc",
+        "--nproc",
+        4,
+        int,
+        "Processes on this node (ignored under an external torchrun, whose WORLD_SIZE counts).",
+        default_text="the config file's world size, else 4",
+        panel="Layout",
+    ),
+    # The model.
+    _model("layers", "--layers", 2, "num_layers", "Transformer layers."),
+    _model("hidden", "--hidden", 64, "hidden_size", "Hidden size."),
+    _model("heads", "--heads", 4, "num_attention_heads", "Attention heads."),
+    _model("vocab", "--vocab", 128, "vocab_size", "Vocabulary size."),
+    _model("seq_len", "--seq-len", 32, "seq_length", "Sequence length.", arch=False),
+    _model("moe_topk", "--moe-topk", 2, "moe_router_topk", "Experts per token (MoE).", arch=False),
+    # The loop.
+    Setting(
+        "steps",
+        "--steps",
+        20,
+        int,
+        "Total optimizer steps of the run, counted from step 0: a resume continues up to this count.",
+        positive_int,
+        key="train.train_iters",
+    ),
+    Setting(
+        "lr",
+        "--lr",
+        3e-3,
+        float,
+        "AdamW learning rate; when set, wins over a resumed checkpoint's.",
+        positive_number,
+        key="train.lr",
+    ),
+    Setting(
+        "weight_decay",
+        "--weight-decay",
+        0.01,
+        float,
+        "AdamW weight decay; when set, wins over a resumed checkpoint's.",
+        non_negative_number,
+        key="train.weight_decay",
+    ),
+    Setting(
+        "clip_grad",
+        "--clip-grad",
+        1.0,
+        float,
+        "Clip gradients to this global norm (0: off).",
+        non_negative_number,
+        key="train.clip_grad",
+    ),
+    Setting("seed", "--seed", 0, int, "Seed of the model's initialisation.", seed, key="train.seed"),
+    Setting(
+        "dtype",
+        "--dtype",
+        "fp32",
+        str,
+        "Compute dtype: fp32 or bf16 (main weights and Adam state stay fp32).",
+        one_of(*DTYPES),
+        key="train.dtype",
+    ),
+    Setting("device", "--device", "auto", str, f"Where to train: {', '.join(DEVICES)}.", one_of(*DEVICES)),
+    Setting(
+        "data_path",
+        "--data-path",
+        None,
+        str,
+        "Prefix of a Megatron indexed dataset (PREFIX.bin, PREFIX.idx).",
+        path,
+        default_text="a learnable synthetic stream",
+    ),
+    # Output and checkpoints.
+    _output("metrics", "--metrics", None, str, "Write one JSON object per step to this file.", path, "none"),
+    Setting(
+        "log_every",
+        "--log-every",
+        10,
+        int,
+        "When stdout is not a terminal, print a progress line every K steps.",
+        positive_int,
+        key="train.log_interval",
+        panel="Output",
+    ),
+    _output("save", "--save", None, str, "Checkpoint root to save into (DIR/step-K, DIR/latest).", path, "none"),
+    _output("save_every", "--save-every", None, int, "Save every K steps, and at the end.", positive_int, "at the end"),
+    _output(
+        "save_keep",
+        "--save-keep",
+        None,
+        int,
+        "Keep the newest N step directories; older ones are deleted after each new save (never the latest).",
+        positive_int,
+        "all",
+    ),
+    _output(
+        "load",
+        "--load",
+        None,
+        str,
+        "Checkpoint (a root with 'latest', or a step directory) to resume from.",
+        path,
+        "none",
+    ),
+    Setting(
+        "debug_fail_rank",
+        "--debug-fail-rank",
+        None,
+        int,
+        "Fault injection: this rank raises at its second step.",
+        hidden=True,
+    ),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+#: Config-file key -> setting name.
+KEYS: dict[str, str] = {s.key: s.name for s in SETTINGS if s.key}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule between settings, checked once each of `names` passed its own check.
+
+    `check(values, said)` returns what is wrong or None; `said(name)` is how the user set a
+    setting ("--hidden 30", "model.moe_router_topk 2 (the default)"). The problem is reported
+    under the first name.
+    """
+
+    names: tuple[str, ...]
+    check: Callable[[dict[str, Any], Callable[[str], str]], str | None]
+
+
+def _heads_divide_hidden(v: dict[str, Any], said: Callable[[str], str]) -> str | None:
+    if v["hidden"] % v["heads"]:
+        return (
+            f"{said('hidden')} is not divisible by {said('heads')}: every head gets hidden/heads channels; "
+            f"choose a hidden size that is a multiple of {v['heads']}."
+        )
+    return None
+
+
+def _topk_within_experts(v: dict[str, Any], said: Callable[[str], str]) -> str | None:
+    experts = v["num_moe_experts"]
+    if experts is not None and v["moe_topk"] > experts:
+        return (
+            f"{said('moe_topk')} routes each token to more experts than {said('num_moe_experts')} provides; "
+            f"choose a top-k of at most {experts}."
+        )
+    return None
+
+
+def _needs_save(name: str) -> Rule:
+    def check(v: dict[str, Any], said: Callable[[str], str]) -> str | None:
+        if v[name] is not None and v["save"] is None:
+            return f"{said(name)} needs --save DIR to say where checkpoints go; add --save or drop it."
+        return None
+
+    return Rule((name, "save"), check)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("hidden", "heads"), _heads_divide_hidden),
+    Rule(("moe_topk", "num_moe_experts"), _topk_within_experts),
+    _needs_save("save_every"),
+    _needs_save("save_keep"),
+)

@@ -1,0 +1,112 @@
+"""One rank of a run: quiet warnings, signal handling, and errors reported once.
+
+`entrypoint` is what the launcher's elastic agent starts in each local rank (module-level,
+so it can be spawned); under an external torchrun, `hfsdp train` calls `run_rank` itself.
+Either way a rank never prints a traceback for a user's mistake or for a signal:
+
+- stopped by SIGINT/SIGTERM: exit 128 + signal, quietly (the launcher, or rank 0 under
+  torchrun, prints the one line);
+- a checkpoint or file-system error: one paragraph (to the launcher, through the run
+  directory; under torchrun printed by rank 0 for checkpoint errors, which every rank
+  raises together, or by the rank that hit an OSError);
+- a collective that failed because another rank is gone: quiet, that rank reports;
+- anything else is a bug: its traceback, once, from the rank that raised it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hfsdp.ckpt import CheckpointError
+from hfsdp.cli import stopping
+from hfsdp.cli.report import say
+from hfsdp.cli.train_config import TrainConfig
+
+#: Set by the launcher: a private directory where rank 0 records its progress and ranks leave user-facing errors.
+RUN_DIR_ENV = "HFSDP_RUN_DIR"
+#: Text of the errors a collective raises when a peer process is gone.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Gloo", "NCCL", "timed out")
+
+
+def error_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / f"error-rank-{rank}.txt"
+
+
+def entrypoint(cfg: TrainConfig) -> None:
+    """Run one rank under the launcher's elastic agent; exits with the rank's code."""
+    code = run_rank(cfg)
+    if code:
+        sys.exit(code)
+
+
+def run_rank(cfg: TrainConfig, resumed_from: str | None = None) -> int:
+    """Train as this rank; return the exit code (raise only for a bug, when the launcher reports it)."""
+    quiet_warnings()
+    stopping.install()
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    try:
+        from hfsdp.cli.train_loop import run_training
+
+        run_training(cfg)
+        return 0
+    except stopping.Interrupted as stop:
+        stopping.hold()
+        if run_dir is None and rank == 0:
+            say(stopping.stopped_line(stop.signum, stop.step, cfg.save, resumed_from), err=True)
+        return stop.exit_code
+    except Exception as err:
+        stopping.hold()  # the agent's SIGTERM to the other ranks must not cut this report short
+        if stopping.requested() is not None:
+            return 128 + stopping.requested()  # a peer left because of the signal: nothing to add
+        if _peer_gone(err) and run_dir is None:
+            return 1  # under torchrun the rank that failed first reports; the launcher picks it out itself
+        message = _user_error(err)
+        if message is None and run_dir is not None:
+            raise  # a bug: the elastic agent records the traceback and the launcher prints it
+        if message is None:
+            traceback.print_exc()
+            say(f"error: rank {rank} failed ({type(err).__name__}: {err}); its traceback is above.", err=True)
+        elif run_dir is not None:
+            error_file(run_dir, rank).write_text(message)
+        elif rank == 0 or not _agreed(err):
+            say(f"error: {message}", err=True)
+        return 1
+    finally:
+        stopping.ignore()  # leaving now: a late signal must not interrupt the interpreter's own shutdown
+
+
+def quiet_warnings() -> None:
+    """Silence what users cannot act on (megatron-core's notes on Transformer Engine, Apex, deprecations),
+    in every rank, before megatron-core is imported."""
+    warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex|cuda_graph_scope|deprecated).*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def _user_error(err: BaseException) -> str | None:
+    """The one-paragraph message of an error the user can fix (a checkpoint, a file), or None for a bug."""
+    if isinstance(err, CheckpointError):
+        return str(err)
+    if isinstance(err, OSError):
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{err.strerror or err}{where}; check the path, its permissions and free space, then run again."
+    return None
+
+
+def _agreed(err: BaseException) -> bool:
+    """Checkpoint errors are raised by every rank together (hfsdp.ckpt agrees on them): one rank reports."""
+    return isinstance(err, CheckpointError)
+
+
+def _peer_gone(err: BaseException) -> bool:
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return any(text in str(err) for text in PEER_GONE)
