@@ -160,12 +160,11 @@ def _ep_group(ep: int):
 
 
 def engine(layout: dict, moe: bool = False, seed: int = 0, bf16: bool = False):
-    """A sharded Toy (or MoEToy) and its ShardedAdamW on this process group, for layout `layout`."""
+    """A sharded Toy (or MoEToy) and torch's AdamW over its main params on this process group, for `layout`."""
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.expert_naming import ExpertNaming
     from hfsdp.core.flat_group import MixedPrecision
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.optimizer import ShardedAdamW
     from hfsdp.core.sharded_model import fully_shard
 
     cfg = LayoutConfig(world_size=dist.get_world_size(), **layout)
@@ -175,7 +174,7 @@ def engine(layout: dict, moe: bool = False, seed: int = 0, bf16: bool = False):
     naming = ExpertNaming(NUM_EXPERTS, cfg.ep, ep_rank) if moe else None
     mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     sm = fully_shard(model, cfg, meshes, units=list(model.layers), mp=mp, expert_naming=naming)
-    return sm, ShardedAdamW(sm.groups, lr=LR, weight_decay=WEIGHT_DECAY)
+    return sm, torch.optim.AdamW([p for _, p in sm.named_main_params()], lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def train(sm, opt, steps: int, start: int = 0) -> list[float]:
@@ -257,7 +256,12 @@ def synthetic_checkpoint(
             for i in range(2)
             for k in range(NUM_EXPERTS)
         )
-    optimizer = {"type": "ShardedAdamW", "step_count": 3, "hyper": {"lr": LR}, "states": ["exp_avg", "exp_avg_sq"]}
+    optimizer = {
+        "type": "AdamW",
+        "param_groups": [{"hyper": {"lr": LR, "weight_decay": WEIGHT_DECAY}, "params": list(shapes)}],
+        "states": ["exp_avg", "exp_avg_sq"],
+        "scalars": {"step": {"tensor": True, "values": dict.fromkeys(shapes, 3.0)}},
+    }
     write_from_tensors(
         path,
         cfg,
@@ -348,7 +352,7 @@ def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False, sa
 
     sm, opt = engine(layout, moe, seed=1, bf16=bf16)
     extra = load_checkpoint(path, sm, opt)
-    step_count = opt.step_count
+    step_count = step_of(opt)
     unsharded = {name: t.detach().clone() for name, t in unsharded_state(sm).items()}
     losses = train(sm, opt, 2, start=2)
     if save_to is not None:
@@ -362,12 +366,25 @@ def load_and_train(path, layout: dict, moe: bool = False, bf16: bool = False, sa
     }
 
 
+def step_of(opt) -> int:
+    """The optimizer's step count: AdamW's `step` of its main params (all equal), 0 before the first step."""
+    steps = {int(state["step"]) for state in opt.state.values()}
+    assert len(steps) <= 1, steps
+    return steps.pop() if steps else 0
+
+
 def local_state(sm, opt) -> list[dict[str, torch.Tensor]]:
-    """This rank's flat buffers (params, main, optimizer states) per group, for bitwise comparisons."""
-    return [
-        {"param": g.compute_shard().clone(), "main": g.main.clone(), **{k: v.clone() for k, v in s.items()}}
-        for g, s in zip(sm.groups, opt.state, strict=True)
-    ]
+    """This rank's state per group (compute-dtype params, fp32 main weights, each optimizer state over the group's
+    main params), for bitwise comparisons."""
+    out = []
+    for g in sm.groups:
+        states = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            pieces = [opt.state[p.param][key].reshape(-1) for p in g.main_params if p.param in opt.state]
+            if pieces:
+                states[key] = torch.cat(pieces).clone()
+        out.append({"param": g.compute_shard().clone(), "main": g.main.clone(), **states})
+    return out
 
 
 HSDP = {"inner": "optim_grads_params", "outer": "no_shard", "instances": 2}

@@ -18,7 +18,6 @@ def train_sharded(rank, world, layout_kwargs, steps, microbatches, shape=None, c
     from hfsdp.core.megatron.adapter import expert_naming_for, initialize_parallel, shard_megatron_model
     from hfsdp.core.megatron.cpu_shim import seed_megatron
     from hfsdp.core.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
-    from hfsdp.core.optimizer import ShardedAdamW
 
     shape = GPTShape(**(shape or SHAPE))
     cfg = LayoutConfig(world_size=world, num_moe_experts=shape.num_moe_experts, **layout_kwargs)
@@ -27,7 +26,7 @@ def train_sharded(rank, world, layout_kwargs, steps, microbatches, shape=None, c
     model = build_gpt(shape)
     reinit_by_global_name(model, expert_naming_for(cfg), seed=0)
     sharded = shard_megatron_model(model, cfg, "cpu")
-    opt = ShardedAdamW(sharded.groups, lr=LR, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for _, p in sharded.named_main_params()], lr=LR, weight_decay=0.01)
     data = SyntheticTokens(shape.vocab_size, shape.seq_length)
     losses, norms = [], []
     for step in range(steps):

@@ -229,6 +229,15 @@ def tensor_missing_from_a_kind(data) -> None:
     del data["tensors"]["exp_avg"][WEIGHT]
 
 
+def optimizer_group(data) -> dict:
+    return data["optimizer"]["param_groups"][0]
+
+
+def edit_step(data, value: float) -> None:
+    values = data["optimizer"]["scalars"]["step"]["values"]
+    values[next(iter(values))] = value
+
+
 def duplicate_member(data) -> None:
     data["groups"][1]["members"].append(data["groups"][0]["members"][0])
 
@@ -237,8 +246,8 @@ def duplicate_member(data) -> None:
 #: which even inspect must refuse).
 DAMAGE = {
     # item 1: the index's own checksum
-    "edited lr": (edited(lambda d: d["optimizer"]["hyper"].update(lr=1.0), "index.json", False), "checksum", True),
-    "edited step_count": (edited(lambda d: d["optimizer"].update(step_count=9), "index.json", False), "checksum", True),
+    "edited lr": (edited(lambda d: optimizer_group(d)["hyper"].update(lr=1.0), "index.json", False), "checksum", True),
+    "edited step": (edited(lambda d: edit_step(d, 9.0), "index.json", False), "checksum", True),
     "swapped pieces": (edited(swap_pieces, "index.json", False), "checksum", True),
     "bit flip in the step": (raw_index(b'"step": 3', b'"step": 2', reseal=False), "checksum", True),
     "bit flip to version 2": (raw_index(b'"version": 3', b'"version": 2', reseal=False), "checksum", True),
@@ -333,7 +342,13 @@ DAMAGE = {
     "a float where a count belongs": (edited(lambda d: d.update(step=3.0), "step"), "whole number", True),
     "true as a piece bound": (edited(lambda d: main_pieces(d)[0].__setitem__(2, True), "pieces[0][2]"), "whole", True),
     "a negative piece bound": (edited(lambda d: main_pieces(d)[0].__setitem__(2, -1), "pieces[0][2]"), "outside", True),
-    "optimizer without hyper": (edited(lambda d: d["optimizer"].pop("hyper"), "hyper"), "optimizer", True),
+    "optimizer group without hyper": (edited(lambda d: optimizer_group(d).pop("hyper"), "hyper"), "optimizer", True),
+    "optimizer group naming no parameter": (
+        edited(lambda d: optimizer_group(d)["params"].append("nowhere.weight"), "nowhere.weight"),
+        "optimizer",
+        True,
+    ),
+    "optimizer step of 1e999": (raw_index(b'"values": {', b'"values": {"x": 1e999, '), "out of range", True),
     "malformed Python RNG state": (edited(rng_record(python=[3, [1, 2, 3], None]), "python"), "rng", True),
     "RNG position out of range": (edited(rng_record(python=[3, [0] * 624 + [625], None]), "python"), "position", True),
     "unknown RNG key": (edited(rng_record(keys=["rng/other"]), "rng/other"), "rng", True),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -23,11 +24,14 @@ from hfsdp.core.config import LayoutConfig
 from ckpt_models import (
     GLOBAL_BATCH,
     HFSDP,
+    LR,
     MOE_EP1,
     MOE_EP2,
     NUM_EXPERTS,
+    WEIGHT_DECAY,
     ZERO1,
     ZERO3,
+    edit_index,
     load_phase,
     reference,
     world4_phase,
@@ -57,7 +61,9 @@ def runs(tmp_path_factory):
     on_two = run_distributed(load_phase, 2, two, errors)
     out.update(on_two[0])
     out["errors on every rank"] = [r["errors"] for r in on_two]
+    as_version_2(resolve(root / "hsdp"), root / "hsdp_v2")
     three = [
+        ("hsdp v2 (ShardedAdamW)->zero3 1x3", str(root / "hsdp_v2"), ZERO3, False),
         ("hsdp->zero3 1x3 offline", str(root / "hsdp_to_zero3x3"), ZERO3, False),
         ("hsdp->zero3 1x3 on load", str(root / "hsdp"), ZERO3, False),
         ("zero1->zero1 1x3 on load", str(root / "zero1"), ZERO1, False),
@@ -65,6 +71,26 @@ def runs(tmp_path_factory):
     ]
     out.update({k: v for k, v in run_distributed(load_phase, 3, three)[0].items() if k != "errors"})
     return out
+
+
+def as_version_2(src, dst) -> None:
+    """A copy of checkpoint `src` as hfsdp 0.1 wrote it: index version 2 without its own checksum, and the optimizer
+    record of its own ShardedAdamW (step count, hyper-parameters, state names)."""
+    shutil.copytree(src, dst)
+    (dst / "index.json.checksum").unlink()
+
+    def legacy(data):
+        step = {int(v) for v in data["optimizer"]["scalars"]["step"]["values"].values()}.pop()
+        hyper = {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY}
+        data["optimizer"] = {
+            "type": "ShardedAdamW",
+            "step_count": step,
+            "hyper": hyper,
+            "states": ["exp_avg", "exp_avg_sq"],
+        }
+        data["version"] = 2
+
+    edit_index(dst, legacy, reseal=False)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +105,7 @@ RESUMED = [
     ("zero1->hfsdp on load", False),
     ("hfsdp->hsdp 2x1 offline", False),
     ("hfsdp->hsdp 2x1 on load", False),
+    ("hsdp v2 (ShardedAdamW)->zero3 1x3", False),
     ("hsdp->zero3 1x3 offline", False),
     ("hsdp->zero3 1x3 on load", False),
     ("zero1->zero1 1x3 on load", False),

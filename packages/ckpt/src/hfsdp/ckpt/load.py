@@ -1,9 +1,10 @@
 """Load a checkpoint into a ShardedModel of any layout (reshard on load).
 
-Each rank asks, for every member of every group, which flat sub-range of the
-tensor its optimizer range covers, and reads only those elements (of "main" and
-each optimizer state) through lazy slices; the range arithmetic is the same as
-the offline reshard's (`pieces.py`). Experts are looked up by global name, so ep
+Each rank reads, for each of its main params (the pieces of parameters its
+optimizer steps), only those elements of "main" and of each optimizer state
+through lazy slices; the range arithmetic is the same as the offline reshard's
+(`pieces.py`). Main weights are read in place; optimizer states go to the
+optimizer through its own `load_state_dict` (`optim_state.restore`). Experts are looked up by global name, so ep
 may change. The compute-dtype weights are not read: they are re-derived from
 the fp32 main weights with `publish_main_weights`, exactly as after an optimizer
 step, so parameters and main weights always agree and a same-layout resume is
@@ -28,14 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hfsdp.ckpt import optim_state
 from hfsdp.ckpt import rng as rng_states
 from hfsdp.ckpt.agree import agree
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.files import check_files, check_present
-from hfsdp.ckpt.index import MAIN, MODEL, UNSHARDED, CheckpointIndex
+from hfsdp.ckpt.index import MAIN, UNSHARDED, CheckpointIndex
 from hfsdp.ckpt.index_file import read_index
-from hfsdp.ckpt.model_state import buffers, check_optimizer, local_groups, restore_optimizer, unsharded_state
-from hfsdp.ckpt.pieces import intersect
+from hfsdp.ckpt.model_state import local_groups, unsharded_state
 from hfsdp.ckpt.reader import CheckpointReader
 from hfsdp.ckpt.store import resolve
 from hfsdp.ckpt.writer import torch_dtype
@@ -58,17 +59,19 @@ def load_checkpoint(
     mine = agree(lambda: ([m for g in local_groups(model, rank) for m in g.members], _shapes(module_tensors)))
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
-    agree(lambda: _check_model(ckpt_dir, index, [g[0] for g in gathered], optimizer))
+    agree(lambda: _check_model(ckpt_dir, index, [g[0] for g in gathered]))
+    if optimizer is not None:
+        agree(lambda: optim_state.check_matches(optimizer, model, index.optimizer, str(ckpt_dir)))
     agree(lambda: _check_unsharded(ckpt_dir, index, [g[1] for g in gathered]))
     rng_meta = index.rng.get(str(rank)) if restore_rng and index.layout["world_size"] == world else None
     # Two steps, each agreed: no rank touches its model until every rank's files and RNG state passed.
     plan, rng = agree(lambda: _prepare(ckpt_dir, index, model, optimizer, module_tensors, rng_meta, verify_checksums))
-    agree(lambda: _fill(ckpt_dir, index, model, optimizer, module_tensors, plan))
+    states = agree(lambda: _fill(ckpt_dir, index, model, module_tensors, plan))
 
     for group in model.groups:  # collective: every rank, every group, model order
         group.publish_main_weights()
     if optimizer is not None:
-        restore_optimizer(optimizer, index.optimizer)
+        optim_state.restore(optimizer, model, index.optimizer, states)
     if rng is not None:
         rng_states.restore(rng)
     extra = dict(index.extra)
@@ -81,19 +84,11 @@ def _open(path) -> tuple[Path, CheckpointIndex]:
     return ckpt_dir, read_index(ckpt_dir)
 
 
-def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered, optimizer) -> None:
-    """The model and the checkpoint must have the same parameters with the same shapes, and the states we need."""
+def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered) -> None:
+    """The model and the checkpoint must have the same parameters with the same shapes."""
     model_shapes = {name: tuple(shape) for members in gathered for name, shape in members}
     saved = {name: tuple(entry.shape) for name, entry in index.tensors.get(MAIN, {}).items()}
     _same_tensors(ckpt_dir, model_shapes, saved, "parameter")
-    if optimizer is not None:
-        check_optimizer(optimizer, index.optimizer, str(ckpt_dir))
-        for name in optimizer.state_names:
-            if name not in index.tensors:
-                raise CheckpointError(
-                    f"The checkpoint {ckpt_dir} has no optimizer state '{name}' (it holds {', '.join(index.kinds)}); "
-                    "it was saved with another optimizer or none. Load it with optimizer=None or the same optimizer."
-                )
 
 
 def _check_unsharded(ckpt_dir: Path, index: CheckpointIndex, gathered) -> None:
@@ -142,17 +137,13 @@ def _prepare(
 ) -> tuple[list, rng_states.RngState | None]:
     """What this rank reads, after checking every file it reads (headers, checksums; all files' sizes) and
     reading its RNG state: (plan, RNG state). Nothing of the model is touched yet."""
-    plan = []  # (kind, global name, start in the flat tensor, destination view)
-    for gi, group in enumerate(model.groups):
-        lo, hi = group.optim_range
-        for kind, (buf, base) in buffers(model, optimizer, gi).items():
-            if kind == MODEL:
-                continue
-            for slot in group.slots:
-                hit = intersect((slot.offset, slot.offset + slot.numel), (lo, hi))
-                if hit is not None:
-                    name = model.global_name(group, slot.name)
-                    plan.append((kind, name, hit[0] - slot.offset, buf[hit[0] - base : hit[1] - base]))
+    plan = []  # (kind, global name, start in the flat tensor, destination)
+    states = index.optimizer["states"] if optimizer is not None else []
+    for piece in model.main_params:
+        plan.append((MAIN, piece.name, piece.start, piece.param.detach().view(-1)))  # read in place
+        for kind in states:
+            dtype = torch_dtype(index.tensors[kind][piece.name].dtype)
+            plan.append((kind, piece.name, piece.start, torch.empty(piece.param.numel(), dtype=dtype)))
     for name, tensor in module_tensors.items():
         plan.append((UNSHARDED, name, 0, torch.empty(tensor.numel(), dtype=torch_dtype(index.unsharded[name].dtype))))
     reader = CheckpointReader(ckpt_dir, index)
@@ -164,14 +155,18 @@ def _prepare(
     return plan, rng_states.read(ckpt_dir, rng_meta) if rng_meta else None
 
 
-def _fill(ckpt_dir: Path, index: CheckpointIndex, model, optimizer, module_tensors, plan) -> None:
-    """Read the planned ranges into the main weights, the optimizer states and the module's unsharded tensors."""
+def _fill(ckpt_dir: Path, index: CheckpointIndex, model, module_tensors, plan) -> dict[tuple[str, str], torch.Tensor]:
+    """Read the planned ranges into the main weights and the module's unsharded tensors; return the optimizer
+    states read, by (kind, global name)."""
+    states = {}
+    model.wait_for_weights()  # the last step's gathers may still read the main weights
     with CheckpointReader(ckpt_dir, index) as reader, torch.no_grad():
-        for gi in range(len(model.groups)):
-            for kind, (buf, _) in buffers(model, optimizer, gi).items():
-                if kind != MODEL:
-                    buf.zero_()  # padding stays zero
+        for group in model.groups:
+            group.main.zero_()  # padding stays zero
         for kind, name, start, out in plan:
             reader.read_into(kind, name, start, out)
             if kind == UNSHARDED:
                 module_tensors[name].copy_(out.view(module_tensors[name].shape))
+            elif kind != MAIN:
+                states[kind, name] = out
+    return states

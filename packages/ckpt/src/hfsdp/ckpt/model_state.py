@@ -1,9 +1,9 @@
 """What a checkpoint needs from a live ShardedModel and optimizer, in checkpoint terms.
 
 This is the only module that knows the engine's objects: every group as a
-`GroupSpec` under global names, the flat buffer of each state kind with the
-flat range it starts at, the module tensors the engine leaves alone, and the
-optimizer's hyper-parameters. Save and load speak to the engine only through it.
+`GroupSpec` under global names, the piece of every tensor this rank holds, and the module tensors the engine leaves
+alone (the optimizer's state is `optim_state.py`'s). Save and load speak to the
+engine only through it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import MAIN, MODEL, GroupSpec
-from hfsdp.ckpt.schema import HYPER_PARAMS
 from hfsdp.ckpt.writer import dtype_name
 
 
@@ -74,73 +73,26 @@ def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
-def state_kinds(optimizer) -> list[str]:
-    return [MODEL, MAIN, *(optimizer.state_names if optimizer is not None else ())]
+def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -> dict[tuple[str, str], torch.Tensor]:
+    """This rank's piece of each tensor, by (kind, global name), as 1-D tensors, in model order.
 
-
-def buffers(model, optimizer, index: int) -> dict[str, tuple[torch.Tensor, int]]:
-    """For group `index`: each kind's local flat buffer and the flat position of its first element.
-
-    Waits first for the group's post-step gather, which may still be writing
-    the parameter shard (and reading the main weights) on a side stream.
+    A piece is a main param's range of its parameter: what this rank's optimizer
+    steps, and exactly what the save plan has it write and the load plan has it
+    read. "model" is the compute-dtype copy (a fresh cast where the engine keeps
+    none), "main" the fp32 main param itself (so loading into it is in place),
+    every other kind the optimizer's per-element state (`kinds` limits them).
+    Waits first for the post-step gathers, which may still read the main weights.
     """
-    group = model.groups[index]
-    group.wait_for_publish()
-    out = {
-        MODEL: (group.compute_shard(), group.param_range[0]),
-        MAIN: (group.main, group.optim_range[0]),
-    }
-    if optimizer is not None:
-        state = optimizer_state(model, optimizer, index)
-        for name in optimizer.state_names:
-            out[name] = (state[name], group.optim_range[0])
+    model.wait_for_weights()
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for group in model.groups:
+        shard = group.compute_shard()
+        for piece in group.main_params:
+            start = group.optim_range[0] + piece.offset - group.param_range[0]
+            out[MODEL, piece.name] = shard[start : start + piece.param.numel()]
+            out[MAIN, piece.name] = piece.param.detach().view(-1)
+            state = optimizer.state.get(piece.param, {}) if optimizer is not None else {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and (kinds is None or key in kinds):
+                    out[key, piece.name] = value.detach().view(-1)
     return out
-
-
-def optimizer_state(model, optimizer, index: int) -> dict[str, torch.Tensor]:
-    group = model.groups[index]
-    for g, state in zip(optimizer.groups, optimizer.state, strict=True):
-        if g is group:
-            return state
-    raise CheckpointError(
-        "The optimizer does not step one of the model's parameter groups; build it from model.groups "
-        "(e.g. ShardedAdamW(model.groups)) so its state can be checkpointed."
-    )
-
-
-def optimizer_meta(optimizer) -> dict | None:
-    if optimizer is None:
-        return None
-    hyper = {}
-    for name in HYPER_PARAMS:
-        if hasattr(optimizer, name):
-            value = getattr(optimizer, name)
-            hyper[name] = list(value) if isinstance(value, tuple) else value
-    return {
-        "type": type(optimizer).__name__,
-        "step_count": optimizer.step_count,
-        "hyper": hyper,
-        "states": list(optimizer.state_names),
-    }
-
-
-def check_optimizer(optimizer, meta: dict | None, source: str) -> None:
-    """Refuse a checkpoint saved without an optimizer, or with another optimizer class."""
-    if meta is None:
-        raise CheckpointError(
-            f"The checkpoint {source} holds no optimizer state (it was saved without an optimizer); "
-            "load it with optimizer=None, or start the optimizer fresh."
-        )
-    if meta["type"] != type(optimizer).__name__:
-        raise CheckpointError(
-            f"The checkpoint {source} was saved with {meta['type']}, but the optimizer is "
-            f"{type(optimizer).__name__}; use the same optimizer class, or load with optimizer=None."
-        )
-
-
-def restore_optimizer(optimizer, meta: dict) -> None:
-    """Set step count and hyper-parameters from the index (the state tensors are loaded separately)."""
-    optimizer.step_count = int(meta["step_count"])
-    for name, value in meta.get("hyper", {}).items():
-        if hasattr(optimizer, name):
-            setattr(optimizer, name, tuple(value) if isinstance(value, list) else value)

@@ -30,14 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hfsdp.ckpt import optim_state
 from hfsdp.ckpt import rng as rng_states
 from hfsdp.ckpt.agree import agree, as_checkpoint_error
 from hfsdp.ckpt.build import file_entries, index_tensors, index_unsharded, plan_unsharded
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import canonical_groups, merged_order
-from hfsdp.ckpt.index import MODEL, CheckpointIndex, TensorEntry, meshes_of
+from hfsdp.ckpt.index import MAIN, MODEL, CheckpointIndex, TensorEntry, meshes_of
 from hfsdp.ckpt.index_file import write_index
-from hfsdp.ckpt.model_state import buffers, local_groups, local_order, optimizer_meta, state_kinds, unsharded_state
+from hfsdp.ckpt.model_state import local_groups, local_order, piece_tensors, unsharded_state
 from hfsdp.ckpt.names import entry_kind
 from hfsdp.ckpt.pieces import file_name, plan_writes, unsharded_owner
 from hfsdp.ckpt.schema import INT64_MAX
@@ -62,15 +63,23 @@ def save_checkpoint(
     agree(lambda: _check_step(step))
     final = root / step_dir_name(step)
     module_tensors = unsharded_state(model)
-    mine = agree(lambda: (local_groups(model, rank), local_order(model), _specs(module_tensors)))
+    mine = agree(
+        lambda: (
+            local_groups(model, rank),
+            local_order(model),
+            _specs(module_tensors),
+            None if optimizer is None else optim_state.local_report(model, optimizer),
+        )
+    )
     reports = [None] * world
     dist.all_gather_object(reports, mine)
     groups = canonical_groups([r[0] for r in reports], model.config.ep)
     order = merged_order([reports[e][1] for e in range(model.config.ep)])
     unsharded = agree(lambda: _unsharded_specs(model.config, [r[2] for r in reports]))
     plan = plan_writes(model.config, groups)
-    kinds = state_kinds(optimizer)
-    dtypes = agree(lambda: _dtypes(model, optimizer, groups))
+    record = agree(lambda: optim_state.merge_reports([r[3] for r in reports]))
+    kinds = [MODEL, MAIN, *(record["states"] if record else [])]
+    dtypes = _dtypes(groups, optim_state.state_dtypes([r[3] for r in reports]))
 
     stage = _make_staging(root, final, step) if rank == 0 else None
     tmp_name = [stage.path.name if isinstance(stage, Staging) else stage]
@@ -100,7 +109,7 @@ def save_checkpoint(
                     layout=model.config.to_dict(),
                     meshes=meshes_of(model.config),
                     extra=dict(extra or {}),
-                    optimizer=optimizer_meta(optimizer),
+                    optimizer=record,
                     groups=groups,
                     tensors={},
                     files={},
@@ -147,16 +156,16 @@ def _make_staging(root: Path, final: Path, step: int) -> Staging | CheckpointErr
         return CheckpointError(f"Cannot create a checkpoint directory in {root} ({err}); check the path and rights.")
 
 
-def _dtypes(model, optimizer, groups) -> dict[tuple[str, str], str]:
-    """dtype of every (kind, global name): the group's compute dtype for "model", the buffer's dtype otherwise."""
-    if not model.groups:
-        return {}
-    kinds = {kind: dtype_name(buf.dtype) for kind, (buf, _) in buffers(model, optimizer, 0).items()}
+def _dtypes(groups, state_dtypes: dict[str, str]) -> dict[tuple[str, str], str]:
+    """dtype of every (kind, global name): the group's compute dtype for "model", fp32 for "main", the
+    optimizer's for its states."""
     out = {}
     for group in groups:
         for name, _ in group.members:
-            for kind, dtype in kinds.items():
-                out[kind, name] = group.dtype if kind == MODEL else dtype
+            out[MODEL, name] = group.dtype
+            out[MAIN, name] = "float32"
+            for kind, dtype in state_dtypes.items():
+                out[kind, name] = dtype
     return out
 
 
@@ -195,17 +204,12 @@ def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, own
     entries = file_entries(items, kinds, dtypes, rng, _specs(owned))
     if not entries:
         return None
-    local = {}  # global name -> (group index, flat offset of the member)
-    for gi, group in enumerate(model.groups):
-        for slot in group.slots:
-            local[model.global_name(group, slot.name)] = (gi, slot.offset)
+    local = piece_tensors(model, optimizer, tuple(kinds))
     writer = TensorFileWriter(tmp / file_name(rank), entries)
     try:
         for kind in kinds:
-            for it in items:
-                gi, offset = local[it.name]
-                buf, base = buffers(model, optimizer, gi)[kind]
-                writer.write(buf[offset + it.start - base : offset + it.stop - base])
+            for it in items:  # each planned item is one of this rank's pieces
+                writer.write(local[kind, it.name])
         for tensor in owned.values():
             writer.write(tensor.detach())
         for tensor in rng.values():

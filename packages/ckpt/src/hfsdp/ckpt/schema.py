@@ -41,7 +41,7 @@ MAX_LAYOUT_INT = 2**31 - 1
 #: Longest tensor name, safetensors key, kind or optimizer type.
 MAX_TEXT = 4096
 MAX_NDIM = 64
-#: Hyper-parameters an optimizer record may carry (`model_state.optimizer_meta` writes these).
+#: Hyper-parameters a version 1-2 optimizer record may carry.
 HYPER_PARAMS = ("lr", "betas", "eps", "weight_decay", "momentum")
 #: RNG states kept as tensors in a rank's file.
 RNG_KEYS = ("rng/torch_cpu", "rng/torch_cuda")
@@ -75,6 +75,7 @@ def parse_index(data: Any) -> CheckpointIndex:
             fix="Read it with the hfsdp release that wrote it, or convert it there.",
         )
     layout = _layout(top["layout"])
+    groups = [_group(g, f"groups[{i}]") for i, g in enumerate(_array(top["groups"], "groups"))]
 
     def optional(key: str, empty):
         """An optional field: absent or null means empty (older versions lack some); any other value is checked."""
@@ -86,8 +87,8 @@ def parse_index(data: Any) -> CheckpointIndex:
         layout=layout,
         meshes=_meshes(top["meshes"]),
         extra=_extra(optional("extra", {})),
-        optimizer=_optimizer(top.get("optimizer")),
-        groups=[_group(g, f"groups[{i}]") for i, g in enumerate(_array(top["groups"], "groups"))],
+        optimizer=_optimizer(top.get("optimizer"), groups),
+        groups=groups,
         tensors={
             _kind(kind, "tensors"): _entries(entries, f"tensors.{kind}")
             for kind, entries in _object(top["tensors"], "tensors").items()
@@ -151,10 +152,62 @@ def _extra(value: Any) -> dict[str, Any]:
     return dict(extra)
 
 
-def _optimizer(value: Any) -> dict[str, Any] | None:
+def _optimizer(value: Any, groups: list[GroupSpec]) -> dict[str, Any] | None:
+    """The optimizer record (see `optim_state.py`); a record of hfsdp 0.1's own optimizers is read as torch's."""
     if value is None:
         return None
+    if isinstance(value, dict) and "step_count" in value:
+        return _legacy_optimizer(value, [name for g in groups for name, _ in g.members])
+    opt = _object(value, "optimizer", ("type", "param_groups", "states", "scalars"))
+    param_groups = []
+    for i, group in enumerate(_array(opt["param_groups"], "optimizer.param_groups", 1024)):
+        path = f"optimizer.param_groups[{i}]"
+        group = _object(group, path, ("hyper", "params"))
+        hyper = {
+            _text(key, f"{path}.hyper", 64): _hyper_value(item, f"{path}.hyper.{key}")
+            for key, item in _object(group["hyper"], f"{path}.hyper").items()
+        }
+        params = [_text(n, f"{path}.params[{j}]") for j, n in enumerate(_array(group["params"], f"{path}.params"))]
+        param_groups.append({"hyper": hyper, "params": params})
+    scalars = {}
+    for key, entry in _object(opt["scalars"], "optimizer.scalars").items():
+        path = f"optimizer.scalars.{key}"
+        entry = _object(entry, path, ("tensor", "values"))
+        values = {_text(n, f"{path}.values"): _number(v, f"{path}.values[{n!r}]") for n, v in entry["values"].items()}
+        scalars[_text(key, "optimizer.scalars", 64)] = {
+            "tensor": _bool(entry["tensor"], f"{path}.tensor"),
+            "values": values,
+        }
+    return {
+        "type": _text(opt["type"], "optimizer.type", 256),
+        "param_groups": param_groups,
+        "states": [_kind(s, f"optimizer.states[{i}]") for i, s in enumerate(_array(opt["states"], "optimizer.states"))],
+        "scalars": scalars,
+    }
+
+
+def _hyper_value(value: Any, path: str) -> Any:
+    """A hyper-parameter: a finite number, a bool, a short string, null, or a short list of numbers."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return _text(value, path, 256)
+    if isinstance(value, list):
+        return [_number(v, f"{path}[{i}]") for i, v in enumerate(_array(value, path, 16))]
+    return _number(value, path)
+
+
+#: hfsdp 0.1's own optimizers and the torch optimizers with the same arithmetic and state names.
+LEGACY_OPTIMIZERS = {"ShardedAdamW": "AdamW", "ShardedSGD": "SGD"}
+
+
+def _legacy_optimizer(value: Any, names: list[str]) -> dict[str, Any]:
+    """A version 1-2 record ({type, step_count, hyper, states}) as the torch optimizer's record: one parameter
+    group of every parameter with the saved hyper-parameters, AdamW's `step` = the step count for each."""
     opt = _object(value, "optimizer", ("type", "step_count", "hyper", "states"))
+    legacy_type = _text(opt["type"], "optimizer.type", 256)
+    if legacy_type not in LEGACY_OPTIMIZERS:
+        raise SchemaError(f"optimizer.type is {_show(legacy_type)}, which format versions 1 and 2 never wrote")
     hyper = _object(opt["hyper"], "optimizer.hyper", (), HYPER_PARAMS)
     checked: dict[str, Any] = {}
     for name, item in hyper.items():
@@ -163,11 +216,15 @@ def _optimizer(value: Any) -> dict[str, Any] | None:
             checked[name] = [_number(b, f"{path}[{i}]") for i, b in enumerate(_array(item, path, 2, exact=True))]
         else:
             checked[name] = _number(item, path)
+    step = _int(opt["step_count"], "optimizer.step_count")
+    states = [_kind(s, f"optimizer.states[{i}]") for i, s in enumerate(_array(opt["states"], "optimizer.states"))]
+    adamw = legacy_type == "ShardedAdamW"
+    scalars = {"step": {"tensor": True, "values": dict.fromkeys(names, float(step))}} if adamw and step else {}
     return {
-        "type": _text(opt["type"], "optimizer.type", 256),
-        "step_count": _int(opt["step_count"], "optimizer.step_count"),
-        "hyper": checked,
-        "states": [_kind(s, f"optimizer.states[{i}]") for i, s in enumerate(_array(opt["states"], "optimizer.states"))],
+        "type": LEGACY_OPTIMIZERS[legacy_type],
+        "param_groups": [{"hyper": checked, "params": list(names)}],
+        "states": states if step else [],
+        "scalars": scalars,
     }
 
 

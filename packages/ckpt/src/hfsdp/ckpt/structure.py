@@ -104,7 +104,18 @@ def _check_rng(index: CheckpointIndex) -> None:
 
 
 def _check_optimizer(index: CheckpointIndex) -> None:
-    states = index.optimizer["states"] if index.optimizer else []
-    missing = [s for s in states if s not in index.tensors or s in (MODEL, MAIN)]
+    """The optimizer's states are kinds the index has; its groups and scalars name each parameter once."""
+    if index.optimizer is None:
+        return
+    missing = [s for s in index.optimizer["states"] if s not in index.tensors or s in (MODEL, MAIN)]
     if missing:
         raise SchemaError(f"its optimizer record lists the state '{missing[0]}', which is not an optimizer state kind")
+    names = {name for g in index.groups for name, _ in g.members}
+    listed = [name for group in index.optimizer["param_groups"] for name in group["params"]]
+    odd = next((n for n in listed if n not in names), None)
+    if odd is not None or len(listed) != len(set(listed)) or set(listed) != names:
+        what = f"'{odd}', which is no parameter" if odd is not None else "a parameter twice, or not every parameter"
+        raise SchemaError(f"its optimizer parameter groups list {what}")
+    for key, entry in index.optimizer["scalars"].items():
+        if set(entry["values"]) != names:
+            raise SchemaError(f"its optimizer scalar '{key}' does not give one value for every parameter")

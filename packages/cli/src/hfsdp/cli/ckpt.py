@@ -221,8 +221,13 @@ def _print_inspect(info: dict[str, Any]) -> None:
         say(f"Experts: {layout['num_moe_experts']}, ep {layout['ep']}")
     opt = info["optimizer"]
     if opt:
-        hyper = ", ".join(f"{k}={v}" for k, v in opt["hyper"].items())
-        say(f"Optimizer: {opt['type']} at step {opt['step_count']}, {hyper}")
+        steps = sorted({v for v in opt["scalars"].get("step", {}).get("values", {}).values()})
+        at = f" at step {steps[0]:g}" if len(steps) == 1 else ""
+        say(f"Optimizer: {opt['type']}{at}, states {', '.join(opt['states']) or 'none yet'}")
+        for index, group in enumerate(opt["param_groups"]):
+            numbers = {k: v for k, v in group["hyper"].items() if not isinstance(v, bool | str) and v is not None}
+            hyper = ", ".join(f"{k}={v}" for k, v in numbers.items())
+            say(f"  group {index} ({len(group['params'])} tensors): {hyper}")
     say(f"State kinds: {', '.join(info['kinds'])}")
     if info["extra"]:
         say(f"Extra: {json.dumps(info['extra'])}")

@@ -56,10 +56,10 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     from hfsdp.core.clip import clip_grad_norm_, global_grad_norm
     from hfsdp.core.data import IndexedTokens, SyntheticTokens, microbatch
     from hfsdp.core.flat_group import MixedPrecision
+    from hfsdp.core.main_params import param_groups
     from hfsdp.core.megatron.adapter import expert_naming_for, initialize_parallel, shard_megatron_model
     from hfsdp.core.megatron.cpu_shim import seed_megatron
     from hfsdp.core.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
-    from hfsdp.core.optimizer import ShardedAdamW
 
     layout = cfg.layout
     initialize_parallel(layout)
@@ -78,7 +78,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     model.to(device)
     mp = MixedPrecision(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=torch.float32)
     sharded = shard_megatron_model(model, layout, device.type, mp)
-    opt = ShardedAdamW(sharded.groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(param_groups(sharded, cfg.weight_decay), lr=cfg.lr, fused=True)
     data = IndexedTokens(cfg.data_path, cfg.seq_len) if cfg.data_path else SyntheticTokens(cfg.vocab, cfg.seq_len)
     start = _maybe_load(cfg, sharded, opt, rank)
     progress = Path(os.environ[RUN_DIR_ENV]) / "progress.json" if RUN_DIR_ENV in os.environ else None
@@ -112,7 +112,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 "step": step + 1,
                 "loss": loss_value,
                 "grad_norm": norm.item(),
-                "lr": opt.lr,
+                "lr": opt.param_groups[0]["lr"],
                 "tokens_per_s": cfg.tokens_per_step / elapsed,
                 "step_time_s": elapsed,
                 "peak_memory_mb": _peak_memory_mb(device),
@@ -167,9 +167,11 @@ def _maybe_load(cfg: TrainConfig, sharded, opt, rank: int) -> int:
     extra = load_checkpoint(cfg.load, sharded, opt)
     notes = []
     for name in HYPER_PARAMETERS:
-        restored = getattr(opt, name)
+        groups = [g for g in opt.param_groups if name != "weight_decay" or g.get("name") == "decay"]
+        restored = groups[0][name]
         if cfg.explicit(name) and restored != cfg.values[name]:
-            setattr(opt, name, cfg.values[name])
+            for group in groups:
+                group[name] = cfg.values[name]
             notes.append(
                 f"{name} {cfg.values[name]:g} from {cfg.given[name].spelled}, not the checkpoint's {restored:g}"
             )
