@@ -24,13 +24,45 @@ class GPTShape:
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
     ffn_hidden_size: int | None = None
+    #: "LayerNorm" or "RMSNorm"; with RMSNorm, SwiGLU and rotary positions and no biases the GPT is a Llama.
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+
+    def record(self) -> dict:
+        """The architecture as plain data, for a checkpoint's model record."""
+        return {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups or self.num_attention_heads,
+            "ffn_hidden_size": self.ffn_size,
+            "vocab_size": self.vocab_size,
+            "seq_length": self.seq_length,
+            "normalization": self.normalization,
+            "swiglu": self.swiglu,
+            "num_moe_experts": self.num_moe_experts,
+            "moe_router_topk": self.moe_router_topk,
+            "position_embedding_type": "rope",
+            "rotary_base": 10000,
+            "layernorm_epsilon": 1e-5,
+            "add_bias_linear": False,
+            "share_embeddings_and_output_weights": False,
+        }
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
 
     def num_params(self) -> int:
         """Parameter count of the dense model (experts counted once each), for throughput figures."""
-        h, v, f = self.hidden_size, self.vocab_size, self.ffn_hidden_size or 4 * self.hidden_size
+        h, v, f = self.hidden_size, self.vocab_size, self.ffn_size
+        kv = h * (self.num_query_groups or self.num_attention_heads) // self.num_attention_heads
         experts = self.num_moe_experts or 1
-        layer = 4 * h * h + experts * 2 * h * f + 2 * h + (h * experts if self.num_moe_experts else 0)
-        return self.num_layers * layer + 2 * v * h + h
+        mlp = (3 if self.swiglu else 2) * h * f
+        norms = 2 * h if self.normalization == "RMSNorm" else 4 * h
+        layer = 2 * h * h + 2 * h * kv + experts * mlp + norms + (h * experts if self.num_moe_experts else 0)
+        return self.num_layers * layer + 2 * v * h + (h if self.normalization == "RMSNorm" else 2 * h)
 
 
 def transformer_config(shape: GPTShape, params_dtype: torch.dtype = torch.float32):
@@ -46,11 +78,17 @@ def transformer_config(shape: GPTShape, params_dtype: torch.dtype = torch.float3
             "moe_aux_loss_coeff": 0.0,
             "moe_router_load_balancing_type": "none",
         }
+    llama = {}
+    if shape.swiglu:
+        llama.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
-        ffn_hidden_size=shape.ffn_hidden_size,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_size,
+        normalization=shape.normalization,
+        layernorm_epsilon=1e-5,
         use_cpu_initialization=True,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -62,6 +100,7 @@ def transformer_config(shape: GPTShape, params_dtype: torch.dtype = torch.float3
         persist_layer_norm=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **llama,
         **moe,
     )
 
@@ -72,7 +111,9 @@ def build_gpt(shape: GPTShape, params_dtype: torch.dtype = torch.float32):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(shape, params_dtype)
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_moe_experts, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(
+        num_experts=shape.num_moe_experts, moe_grouped_gemm=False, normalization=shape.normalization
+    )
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
