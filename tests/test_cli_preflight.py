@@ -165,3 +165,35 @@ def test_every_problem_at_once_from_the_installed_command(tmp_path):
 def test_save_steps(start, steps, every, expected):
     """The steps a run saves at: every K steps after where it starts, and at the end."""
     assert save_steps(start, steps, every) == expected
+
+
+def test_model_config_that_is_no_causal_lm(tmp_path):
+    """A --model-config that is not JSON, names no model_type, or names an architecture without decoder layers is
+    refused before any rank starts, naming --model-config."""
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    encoder = tmp_path / "bert.json"
+    encoder.write_text('{"model_type": "bert", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 2}')
+    for path, text in ((broken, "cannot be read"), (tmp_path / "none.json", "cannot be read"), (encoder, "decoder")):
+        code, output, seconds = train_hf(str(path))
+        assert_refused_before_start(code, output, seconds + 0, "--model-config", text)
+
+
+def test_model_config_shorter_than_the_sequence(tmp_path):
+    """--seq-len beyond the model's max_position_embeddings is refused before any rank starts."""
+    config = tmp_path / "config.json"
+    config.write_text(
+        '{"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, '
+        '"num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 8}'
+    )
+    code, output, seconds = train_hf(str(config))
+    assert_refused_before_start(code, output, seconds, "--seq-len", "max_position_embeddings")
+
+
+def train_hf(config: str) -> tuple[int, str, float]:
+    """`hfsdp train --model-config CONFIG` in-process (no GPT shape flags, which it excludes)."""
+    began = time.monotonic()
+    args = ["train", "--model-config", config, "--seq-len", "16", "--device", "cpu", "--nproc", "2"]
+    result = runner.invoke(app, args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.output, time.monotonic() - began - 3  # transformers' import: ~3 s of it

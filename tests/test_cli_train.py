@@ -273,3 +273,38 @@ def test_a_killed_rank_is_reported_as_killed(tmp_path):
         lines[0],
     ), err
     assert not _wait_gone(ranks)
+
+
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+}
+
+
+def test_train_a_hugging_face_model_with_a_schedule_evaluation_and_recompute(tmp_path):
+    """`hfsdp train --model-config config.json` trains the transformers Llama it describes (HFSDP 2x1, recompute)
+    with Megatron's warmup + cosine schedule: every step's lr is the schedule's, held-out loss is reported every
+    --eval-interval steps and at the end, the loss falls, and a checkpoint is saved."""
+    from hfsdp.core.lr_schedule import Schedule
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["--model-config", str(config), "--nproc", "2", "--instances", "2", "--outer", "optim", "--steps", "7"]
+    args += ["--lr", "1e-2", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-3"]
+    args += ["--eval-interval", "3", "--recompute", "--seq-len", "16", "--device", "cpu"]
+    result = _run(*args, "--metrics", str(metrics), "--save", str(tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "HFSDP 2x1" in result.stdout and result.stderr == ""
+    records = _records(metrics)
+    schedule = Schedule(1e-2, 1e-3, warmup_iters=2, decay_iters=7, style="cosine")
+    assert [r["lr"] for r in records] == pytest.approx([schedule.lr_at(n) for n in range(1, 8)], rel=1e-9)
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 7]
+    assert records[-1]["eval_loss"] < records[2]["eval_loss"] and records[-1]["loss"] < records[0]["loss"]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-7"

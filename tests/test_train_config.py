@@ -203,3 +203,52 @@ def test_non_finite_numbers_are_refused(flag, value):
     with pytest.raises(ConfigError) as err:
         _build({flag: value})
     assert _fields(err.value) == {"--" + flag.replace("_", "-")}
+
+
+def test_model_config_excludes_the_gpts_model_flags():
+    """--model-config builds the model its config.json describes: a GPT shape flag beside it is refused under
+    --model-config, naming the flag; the defaults of those flags do not count."""
+    assert _build({"model_config": "llama/config.json"}).model_config == "llama/config.json"
+    with pytest.raises(ConfigError) as err:
+        _build({"model_config": "llama/config.json", "layers": 4})
+    assert _fields(err.value) == {"--model-config"} and "--layers 4" in err.value.problems[0].message
+
+
+def test_learning_rate_schedule_rules():
+    """--min-lr above --lr, a warmup that reaches the end of a decay, and query groups that do not divide the
+    heads are each refused under their flag; a constant schedule may warm up for the whole run."""
+    with pytest.raises(ConfigError) as err:
+        _build({"lr": 1e-3, "min_lr": 1e-2})
+    assert _fields(err.value) == {"--min-lr"}
+    with pytest.raises(ConfigError) as err:
+        _build({"lr_decay_style": "cosine", "lr_warmup_iters": 20, "steps": 20})
+    assert _fields(err.value) == {"--lr-warmup-iters"} and "--steps" in err.value.problems[0].message
+    with pytest.raises(ConfigError) as err:
+        _build({"lr_decay_style": "wsd"})
+    assert _fields(err.value) == {"--lr-decay-style"}
+    with pytest.raises(ConfigError) as err:
+        _build({"num_query_groups": 3})
+    assert _fields(err.value) == {"--num-query-groups"}
+    assert _build({"lr_warmup_iters": 20, "steps": 20}).lr_warmup_iters == 20
+
+
+def test_schedule_recompute_and_eval_keys_in_a_config_file(tmp_path):
+    """The new settings read from Megatron-named keys of a config file, with the same rules as their flags."""
+    data = {
+        "parallel": {"world_size": 4},
+        "train": {
+            "lr_warmup_iters": 2,
+            "lr_decay_style": "linear",
+            "min_lr": 1e-5,
+            "recompute": True,
+            "eval_interval": 5,
+        },
+        "model": {"normalization": "RMSNorm", "swiglu": True, "num_query_groups": 2},
+    }
+    cfg = build_file_config(str(_write(tmp_path, "cfg.json", data)))
+    assert (cfg.lr_decay_style, cfg.min_lr, cfg.recompute, cfg.eval_interval) == ("linear", 1e-5, True, 5)
+    assert (cfg.normalization, cfg.swiglu, cfg.num_query_groups) == ("RMSNorm", True, 2)
+    data["train"]["recompute"] = "yes"
+    with pytest.raises(ConfigError) as err:
+        build_file_config(str(_write(tmp_path, "bad.json", data)))
+    assert _fields(err.value) == {"train.recompute"}

@@ -46,8 +46,28 @@ class Plan:
         )
 
 
+#: The fields of a Hugging Face config that fix its parameters' shapes, compared on resume.
+HF_ARCH_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
 def model_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The architecture settings a checkpoint records and a resume must match."""
+    """The architecture settings a checkpoint records and a resume must match: the GPT's flags, or the
+    shape-fixing fields of --model-config's config.json."""
+    if cfg.model_config is not None:
+        from hfsdp.core import hf
+
+        config = hf.load_config(cfg.model_config).to_dict()
+        return {"model_config": {k: config.get(k) for k in HF_ARCH_KEYS}}
     out = {s.name: cfg.values[s.name] for s in SETTINGS if s.arch}
     out["num_moe_experts"] = cfg.layout.num_moe_experts
     return out
@@ -78,6 +98,8 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
                     "Megatron indexed dataset (PREFIX.bin and PREFIX.idx).",
                 )
             )
+    if cfg.model_config is not None:
+        _hf_model(cfg, problems)
     plan = Plan()
     if cfg.load is not None:
         plan = _checkpoint(cfg, verify_checkpoint, problems)
@@ -135,7 +157,32 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
     recorded = index.extra.get(MODEL_KEY)
     saved = dict(recorded) if isinstance(recorded, dict) else _shapes_from_index(index)
     saved["num_moe_experts"] = layout.num_moe_experts
-    run = model_settings(cfg)
+    try:
+        run = model_settings(cfg)
+    except ValueError:
+        return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)  # reported above
+    if ("model_config" in run) != ("model_config" in saved) and ("layers" in saved or "model_config" in saved):
+        then = "a Hugging Face model" if "model_config" in saved else "the megatron-core GPT"
+        now = "--model-config's model" if "model_config" in run else "the megatron-core GPT"
+        problems.append(
+            Problem(
+                "--load",
+                f"the checkpoint {ckpt_dir} holds {then}, but this run builds {now}; resume it with the model "
+                "that saved it, or start without --load.",
+            )
+        )
+    if "model_config" in run:
+        if saved.get("model_config", run["model_config"]) != run["model_config"]:
+            differ = [k for k in HF_ARCH_KEYS if saved["model_config"].get(k) != run["model_config"][k]]
+            problems.append(
+                Problem(
+                    "--model-config",
+                    f"the checkpoint {ckpt_dir} was saved from a model whose {differ[0]} is "
+                    f"{shown(saved['model_config'].get(differ[0]))}, but {cfg.model_config} says "
+                    f"{shown(run['model_config'][differ[0]])}; resume with the config that saved it.",
+                )
+            )
+        return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
     for name, value in saved.items():
         if name in run and run[name] != value:
             flag = BY_NAME[name].flag
@@ -148,6 +195,28 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
                 )
             )
     return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
+
+
+def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
+    """--model-config: a config.json transformers builds into a causal LM with decoder layers, long enough for
+    --seq-len, without experts hfsdp would not find."""
+    from hfsdp.core import hf
+
+    try:
+        config = hf.load_config(cfg.model_config)
+        hf.build_causal_lm(config, device="meta")
+    except hf.HFModelError as err:
+        problems.append(Problem("--model-config", f"--model-config {cfg.model_config}: {err}"))
+        return
+    longest = getattr(config, "max_position_embeddings", None)
+    if isinstance(longest, int) and cfg.seq_len > longest:
+        problems.append(
+            Problem(
+                "--seq-len",
+                f"--seq-len {cfg.seq_len} is longer than the {longest} positions {cfg.model_config} allows "
+                "(max_position_embeddings); train on shorter sequences.",
+            )
+        )
 
 
 def _as_flag(value: Any) -> str:

@@ -20,9 +20,10 @@ def reporter(total: int, start: int, every: int):
 
 
 def describe(r: dict) -> str:
+    held_out = f"  eval loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""
     return (
-        f"loss {r['loss']:.4f}  grad norm {r['grad_norm']:.3g}  {r['tokens_per_s']:,.0f} tok/s  "
-        f"{r['peak_memory_mb']:,.0f} MiB"
+        f"loss {r['loss']:.4f}{held_out}  lr {r['lr']:.3g}  grad norm {r['grad_norm']:.3g}  "
+        f"{r['tokens_per_s']:,.0f} tok/s  {r['peak_memory_mb']:,.0f} MiB"
     )
 
 
@@ -37,7 +38,7 @@ class _Lines:
         return None
 
     def update(self, r: dict) -> None:
-        if r["step"] % self.every == 0 or r["step"] == self.total:
+        if r["step"] % self.every == 0 or r["step"] == self.total or "eval_loss" in r:
             say(f"step {r['step']}/{self.total}  {describe(r)}")
 
 

@@ -26,6 +26,10 @@ Check = Callable[[Any], str | None]
 STRATEGIES = ", ".join(Strategy.names())
 DTYPES = ("fp32", "bf16")  # what the trainer runs; fp16 would need loss scaling, which it does not do
 DEVICES = ("auto", "cpu", "cuda")
+NORMS = ("LayerNorm", "RMSNorm")
+DECAY_STYLES = ("constant", "linear", "cosine")
+#: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
+GPT_SETTINGS = ("layers", "hidden", "heads", "vocab", "normalization", "swiglu", "num_query_groups", "num_moe_experts")
 #: One megatron-core seed offset is added to the seed; keep the sum a valid 32-bit seed.
 MAX_SEED = 2**31 - 1
 
@@ -44,6 +48,14 @@ def positive_int(value: object) -> str | None:
 
 def seed(value: object) -> str | None:
     return None if _is_int(value) and 0 <= value <= MAX_SEED else f"must be a whole number from 0 to {MAX_SEED}"
+
+
+def non_negative_int(value: object) -> str | None:
+    return None if _is_int(value) and value >= 0 else "must be a whole number >= 0 such as 0 or 100"
+
+
+def boolean(value: object) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
 
 
 def positive_number(value: object) -> str | None:
@@ -154,6 +166,72 @@ SETTINGS: tuple[Setting, ...] = (
     _model("vocab", "--vocab", 128, "vocab_size", "Vocabulary size."),
     _model("seq_len", "--seq-len", 32, "seq_length", "Sequence length.", arch=False),
     _model("moe_topk", "--moe-topk", 2, "moe_router_topk", "Experts per token (MoE).", arch=False),
+    Setting(
+        "normalization",
+        "--normalization",
+        "LayerNorm",
+        str,
+        f"Norm of the GPT's layers: {', '.join(NORMS)} (RMSNorm + --swiglu, no biases: a Llama).",
+        one_of(*NORMS),
+        key="model.normalization",
+        arch=True,
+        panel="Model",
+    ),
+    Setting(
+        "swiglu",
+        "--swiglu",
+        False,
+        bool,
+        "Gated SiLU MLP (SwiGLU) in the GPT's layers, as Llama has.",
+        boolean,
+        key="model.swiglu",
+        arch=True,
+        panel="Model",
+    ),
+    Setting(
+        "num_query_groups",
+        "--num-query-groups",
+        None,
+        int,
+        "Grouped-query attention: key/value heads of the GPT.",
+        positive_int,
+        key="model.num_query_groups",
+        arch=True,
+        panel="Model",
+        default_text="--heads",
+    ),
+    Setting(
+        "model_config",
+        "--model-config",
+        None,
+        str,
+        "A Hugging Face config.json (or its directory) of a causal LM (Llama, Qwen2, Mistral, ...): train that model "
+        "instead of the megatron-core GPT; excludes the GPT's model flags.",
+        path,
+        key="model.hf_config",
+        panel="Model",
+        default_text="a megatron-core GPT",
+    ),
+    Setting(
+        "recompute",
+        "--recompute",
+        False,
+        bool,
+        "Recompute every unit's activations in backward (activation checkpointing) to save memory.",
+        boolean,
+        key="train.recompute",
+        panel="Model",
+    ),
+    Setting(
+        "compile",
+        "--compile",
+        False,
+        bool,
+        "torch.compile every unit's forward.",
+        boolean,
+        key="train.compile",
+        panel="Model",
+    ),
     # The loop.
     Setting(
         "steps",
@@ -172,6 +250,43 @@ SETTINGS: tuple[Setting, ...] = (
         "AdamW learning rate; when set, wins over a resumed checkpoint's.",
         positive_number,
         key="train.lr",
+    ),
+    Setting(
+        "lr_warmup_iters",
+        "--lr-warmup-iters",
+        0,
+        int,
+        "Steps of linear warmup from 0 to --lr.",
+        non_negative_int,
+        key="train.lr_warmup_iters",
+    ),
+    Setting(
+        "lr_decay_style",
+        "--lr-decay-style",
+        "constant",
+        str,
+        f"Learning-rate decay after warmup: {', '.join(DECAY_STYLES)} (to --min-lr at --lr-decay-iters).",
+        one_of(*DECAY_STYLES),
+        key="train.lr_decay_style",
+    ),
+    Setting(
+        "lr_decay_iters",
+        "--lr-decay-iters",
+        None,
+        int,
+        "Step at which the decay reaches --min-lr (held there after).",
+        positive_int,
+        key="train.lr_decay_iters",
+        default_text="--steps",
+    ),
+    Setting(
+        "min_lr",
+        "--min-lr",
+        0.0,
+        float,
+        "Learning rate at the end of the decay.",
+        non_negative_number,
+        key="train.min_lr",
     ),
     Setting(
         "weight_decay",
@@ -210,6 +325,27 @@ SETTINGS: tuple[Setting, ...] = (
         "Prefix of a Megatron indexed dataset (PREFIX.bin, PREFIX.idx).",
         path,
         default_text="a learnable synthetic stream",
+    ),
+    Setting(
+        "eval_interval",
+        "--eval-interval",
+        None,
+        int,
+        "Every K steps, report the loss on held-out data (and at the end).",
+        positive_int,
+        key="train.eval_interval",
+        panel="Output",
+        default_text="no evaluation",
+    ),
+    Setting(
+        "eval_iters",
+        "--eval-iters",
+        2,
+        int,
+        "Global batches of held-out data per evaluation.",
+        positive_int,
+        key="train.eval_iters",
+        panel="Output",
     ),
     # Output and checkpoints.
     _output("metrics", "--metrics", None, str, "Write one JSON object per step to this file.", path, "none"),
@@ -263,8 +399,8 @@ class Rule:
     """A rule between settings, checked once each of `names` passed its own check.
 
     `check(values, said)` returns what is wrong or None; `said(name)` is how the user set a
-    setting ("--hidden 30", "model.moe_router_topk 2 (the default)"). The problem is reported
-    under the first name.
+    setting ("--hidden 30", "model.moe_router_topk 2 (the default)") and `said.explicit(name)`
+    whether the user set it at all. The problem is reported under the first name.
     """
 
     names: tuple[str, ...]
@@ -299,7 +435,47 @@ def _needs_save(name: str) -> Rule:
     return Rule((name, "save"), check)
 
 
+def _hf_model_excludes_gpt_flags(v: dict[str, Any], said) -> str | None:
+    if v["model_config"] is None:
+        return None
+    given = [n for n in GPT_SETTINGS if said.explicit(n)]
+    if given:
+        return (
+            f"{said('model_config')} builds the model its config.json describes, but {said(given[0])} shapes the "
+            "megatron-core GPT; drop the GPT's model settings, or drop --model-config to train the GPT."
+        )
+    return None
+
+
+def _query_groups_divide_heads(v: dict[str, Any], said) -> str | None:
+    groups = v["num_query_groups"]
+    if groups is not None and v["heads"] % groups:
+        return f"{said('num_query_groups')} does not divide {said('heads')}: each key/value head serves whole heads."
+    return None
+
+
+def _min_lr_below_lr(v: dict[str, Any], said) -> str | None:
+    if v["min_lr"] > v["lr"]:
+        return f"{said('min_lr')} is above {said('lr')}: the decay goes down from --lr to --min-lr."
+    return None
+
+
+def _warmup_before_decay_end(v: dict[str, Any], said) -> str | None:
+    end = v["lr_decay_iters"] if v["lr_decay_iters"] is not None else v["steps"]
+    if v["lr_decay_style"] != "constant" and v["lr_warmup_iters"] >= end:
+        return (
+            f"{said('lr_warmup_iters')} reaches the end of the decay at step {end} "
+            f"({'--lr-decay-iters' if v['lr_decay_iters'] is not None else '--steps'}); warm up for fewer steps, or "
+            "decay later."
+        )
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
+    Rule(("num_query_groups", "heads"), _query_groups_divide_heads),
+    Rule(("min_lr", "lr"), _min_lr_below_lr),
+    Rule(("lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "steps"), _warmup_before_decay_end),
     Rule(("hidden", "heads"), _heads_divide_hidden),
     Rule(("moe_topk", "num_moe_experts"), _topk_within_experts),
     _needs_save("save_every"),

@@ -104,8 +104,9 @@ def _signature() -> inspect.Signature:
     for s in SETTINGS:
         if not s.flag:
             continue
+        names = f"{s.flag}/--no-{s.flag[2:]}" if s.type is bool else s.flag  # a switch, not a value
         option = typer.Option(
-            s.flag, help=s.help, show_default=s.shown_default, rich_help_panel=s.panel, hidden=s.hidden
+            names, help=s.help, show_default=s.shown_default, rich_help_panel=s.panel, hidden=s.hidden
         )
         params.append(
             inspect.Parameter(

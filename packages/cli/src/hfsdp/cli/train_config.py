@@ -72,6 +72,19 @@ class TrainConfig:
         return self.layout.global_batch_size * self.values["seq_len"]
 
 
+class _Quote:
+    """What a rule gets to quote settings: `quote(name)` as the user wrote it, `quote.explicit(name)`."""
+
+    def __init__(self, given: Mapping[str, Given]):
+        self.given = given
+
+    def __call__(self, name: str) -> str:
+        return self.given[name].said()
+
+    def explicit(self, name: str) -> bool:
+        return self.given[name].source in (FLAG, FILE)
+
+
 def gather(flags: Mapping[str, Any], file: FileValues | None, world: Given | None) -> dict[str, Given]:
     """Every setting's Given: flag > file > default; `world` is the world size its caller settled on."""
     given: dict[str, Given] = {}
@@ -119,7 +132,7 @@ def resolve(
     layout = _layout(given, problems, good, values, world_flag)
     for rule in RULES:
         if all(name in good for name in rule.names):
-            message = rule.check({n: values[n] for n in rule.names}, lambda n: given[n].said())
+            message = rule.check({n: values[n] for n in rule.names}, _Quote(given))
             if message:
                 problems.append(Problem(given[rule.names[0]].spelled, message))
     if problems or layout is None:

@@ -53,34 +53,18 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
+    from hfsdp.cli.build_model import build_model
     from hfsdp.core.clip import clip_grad_norm_, global_grad_norm
-    from hfsdp.core.data import IndexedTokens, SyntheticTokens, microbatch
-    from hfsdp.core.flat_group import MixedPrecision
+    from hfsdp.core.data import microbatch
     from hfsdp.core.main_params import param_groups
-    from hfsdp.core.megatron.adapter import expert_naming_for, initialize_parallel, shard_megatron_model
-    from hfsdp.core.megatron.cpu_shim import seed_megatron
-    from hfsdp.core.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
 
     layout = cfg.layout
-    initialize_parallel(layout)
-    seed_megatron(cfg.seed)
-    shape = GPTShape(
-        num_layers=cfg.layers,
-        hidden_size=cfg.hidden,
-        num_attention_heads=cfg.heads,
-        vocab_size=cfg.vocab,
-        seq_length=cfg.seq_len,
-        num_moe_experts=layout.num_moe_experts,
-        moe_router_topk=cfg.moe_topk,
-    )
-    model = build_gpt(shape)
-    reinit_by_global_name(model, expert_naming_for(layout), cfg.seed)
-    model.to(device)
-    mp = MixedPrecision(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=torch.float32)
-    sharded = shard_megatron_model(model, layout, device.type, mp)
+    built = build_model(cfg, device)
+    sharded = built.sharded
     opt = torch.optim.AdamW(param_groups(sharded, cfg.weight_decay), lr=cfg.lr, fused=True)
-    data = IndexedTokens(cfg.data_path, cfg.seq_len) if cfg.data_path else SyntheticTokens(cfg.vocab, cfg.seq_len)
+    data, held_out = _data(cfg, built.vocab_size)
     start = _maybe_load(cfg, sharded, opt, rank)
+    schedule = _schedule(cfg, opt, start)
     progress = Path(os.environ[RUN_DIR_ENV]) / "progress.json" if RUN_DIR_ENV in os.environ else None
 
     metrics = open(cfg.metrics, "a" if start else "w") if (cfg.metrics and rank == 0) else None  # noqa: SIM115
@@ -96,15 +80,17 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             for index in range(count):
                 sharded.set_microbatch(index, count)
                 tokens, labels = (t.to(device) for t in microbatch(batch, index, count, rank, layout.dp))
-                loss = lm_loss(sharded, tokens, labels)
+                loss = built.loss(sharded, tokens, labels)
                 loss.backward()
                 total += loss.detach()
             # The stop flag rides on the loss's all-reduce: every rank learns of a signal after the same step.
             shared = torch.stack([total, torch.tensor(float(stopping.requested() is not None), device=device)])
             dist.all_reduce(shared)
-            norm = clip_grad_norm_(sharded.groups, cfg.clip_grad) if cfg.clip_grad else global_grad_norm(sharded.groups)
+            norm = clip_grad_norm_(sharded, cfg.clip_grad) if cfg.clip_grad else global_grad_norm(sharded)
+            lr = opt.param_groups[0]["lr"]
             opt.step()
             opt.zero_grad()
+            schedule.step()
             loss_value = shared[0].item() / (count * layout.dp)
             elapsed = time.perf_counter() - began
             times.append(elapsed)
@@ -112,18 +98,20 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 "step": step + 1,
                 "loss": loss_value,
                 "grad_norm": norm.item(),
-                "lr": opt.param_groups[0]["lr"],
+                "lr": lr,
                 "tokens_per_s": cfg.tokens_per_step / elapsed,
                 "step_time_s": elapsed,
                 "peak_memory_mb": _peak_memory_mb(device),
             }
+            if held_out is not None and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
+                record["eval_loss"] = _evaluate(cfg, built, held_out, device, rank)
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if shown:
                 shown.update(record)
             if cfg.save and cfg.save_every and (step + 1) % cfg.save_every == 0:
-                saved.append(_save(cfg, sharded, opt, step + 1, rank))
+                saved.append(_save(cfg, built, opt, step + 1, rank))
             if rank == 0 and progress:
                 _write_progress(progress, step + 1)
             if shared[1].item() > 0 and step + 1 < cfg.steps:
@@ -131,7 +119,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                     metrics.close()
                 raise stopping.Interrupted(stopping.requested() or signal.SIGTERM, step + 1)
         if cfg.save and cfg.steps > start and (not cfg.save_every or cfg.steps % cfg.save_every):
-            saved.append(_save(cfg, sharded, opt, cfg.steps, rank))
+            saved.append(_save(cfg, built, opt, cfg.steps, rank))
     if metrics:
         metrics.close()
     peaks = [None] * dist.get_world_size()
@@ -158,31 +146,71 @@ class _Silent:
         return None
 
 
+def _data(cfg: TrainConfig, vocab_size: int):
+    """The training stream and, with --eval-interval, a held-out stream it never shows."""
+    from hfsdp.core.data import IndexedTokens, SyntheticTokens
+
+    data = IndexedTokens(cfg.data_path, cfg.seq_len) if cfg.data_path else SyntheticTokens(vocab_size, cfg.seq_len)
+    if cfg.eval_interval is None:
+        return data, None
+    return data.split()
+
+
+def _schedule(cfg: TrainConfig, opt, start: int):
+    """Megatron's warmup + decay as a LambdaLR, positioned after `start` steps; its peak is --lr, or on a resume
+    without an --lr of the user's, the checkpoint's."""
+    from hfsdp.core.lr_schedule import Schedule, scheduler
+
+    peak = cfg.lr if cfg.explicit("lr") or start == 0 else opt.param_groups[0].get("initial_lr", cfg.lr)
+    decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else cfg.steps
+    schedule = Schedule(peak, cfg.min_lr, cfg.lr_warmup_iters, decay_iters, cfg.lr_decay_style)
+    return scheduler(opt, schedule, start)
+
+
+@torch.no_grad()
+def _evaluate(cfg: TrainConfig, built, held_out, device: torch.device, rank: int) -> float:
+    """Mean loss over --eval-iters global batches of held-out data (collective)."""
+    from hfsdp.core.data import microbatch
+
+    layout, count = cfg.layout, cfg.num_microbatches
+    total = torch.zeros((), device=device)
+    for k in range(cfg.eval_iters):
+        batch = held_out.global_batch(k, layout.global_batch_size)
+        for index in range(count):
+            tokens, labels = (t.to(device) for t in microbatch(batch, index, count, rank, layout.dp))
+            total += built.loss(built.sharded, tokens, labels).detach()
+    dist.all_reduce(total)
+    return total.item() / (cfg.eval_iters * count * layout.dp)
+
+
 def _maybe_load(cfg: TrainConfig, sharded, opt, rank: int) -> int:
-    """Resume from --load; a learning rate or weight decay the user set wins over the checkpoint's."""
+    """Resume from --load; a learning rate or weight decay the user set wins over the checkpoint's. A checkpoint
+    without optimizer state (an import of Hugging Face weights) starts the optimizer fresh at step 0."""
     if not cfg.load:
         return 0
     from hfsdp.ckpt import load_checkpoint, read_index, resolve
 
-    extra = load_checkpoint(cfg.load, sharded, opt)
-    notes = []
+    ckpt_dir = resolve(cfg.load)
+    index = read_index(ckpt_dir)
+    fresh = index.optimizer is None
+    extra = load_checkpoint(cfg.load, sharded, None if fresh else opt)
+    notes = ["weights only: the optimizer starts fresh at step 0"] if fresh else []
     for name in HYPER_PARAMETERS:
         groups = [g for g in opt.param_groups if name != "weight_decay" or g.get("name") == "decay"]
-        restored = groups[0][name]
-        if cfg.explicit(name) and restored != cfg.values[name]:
+        restored = groups[0].get("initial_lr", groups[0]["lr"]) if name == "lr" else groups[0][name]
+        if not fresh and cfg.explicit(name) and restored != cfg.values[name]:
             for group in groups:
                 group[name] = cfg.values[name]
             notes.append(
                 f"{name} {cfg.values[name]:g} from {cfg.given[name].spelled}, not the checkpoint's {restored:g}"
             )
     if rank == 0:
-        ckpt_dir = resolve(cfg.load)
-        before = read_index(ckpt_dir).config().layout_name
+        before = index.config().layout_name
         say(f"resumed from {ckpt_dir} ({before} -> {cfg.layout.layout_name})" + "".join(f"; {n}" for n in notes))
-    return int(extra["step"])
+    return 0 if fresh else int(extra["step"])
 
 
-def _save(cfg: TrainConfig, sharded, opt, step: int, rank: int) -> Path:
+def _save(cfg: TrainConfig, built, opt, step: int, rank: int) -> Path:
     """Save step `step` (collective); rank 0 then applies --save-keep, once the new checkpoint is published."""
     from hfsdp.ckpt import save_checkpoint
 
@@ -191,7 +219,7 @@ def _save(cfg: TrainConfig, sharded, opt, step: int, rank: int) -> Path:
         "consumed_samples": step * cfg.layout.global_batch_size,
         MODEL_KEY: model_settings(cfg),
     }
-    path = save_checkpoint(cfg.save, sharded, opt, step=step, extra=extra)
+    path = save_checkpoint(cfg.save, built.sharded, opt, step=step, extra=extra)
     if rank == 0 and cfg.save_keep:
         from hfsdp.cli.retention import prune
 

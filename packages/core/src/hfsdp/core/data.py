@@ -2,12 +2,13 @@
 
 Both are defined by global batch: step k's global batch is the same tokens whatever
 the layout, and data-parallel rank r's microbatch m is chunk `m * dp + r` of it.
-That is what makes layouts comparable loss for loss.
+That is what makes layouts comparable loss for loss. `split()` sets data aside for
+evaluation: sequences the training stream never shows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,9 +25,14 @@ class SyntheticTokens:
     seq_length: int
     seed: int = 1234
     rules: int = 4
+    stream: int = 0  # 0: training; 1: held out (other sequences of the same rules)
+
+    def split(self) -> tuple[SyntheticTokens, SyntheticTokens]:
+        """(training, held-out): the same rules, disjoint random streams of sequences."""
+        return self, replace(self, stream=1)
 
     def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + self.stream * 2**40)
         rule_gen = torch.Generator().manual_seed(self.seed)
         a = torch.randint(1, self.vocab_size, (self.rules,), generator=rule_gen) | 1
         b = torch.randint(0, self.vocab_size, (self.rules,), generator=rule_gen)
@@ -52,13 +58,28 @@ class IndexedTokens:
             raise ValueError(f"'{prefix}' holds fewer than {seq_length + 1} tokens; use a longer dataset.")
         self.tokens = tokens[: usable + 1]
         self.num_samples = usable // seq_length
+        self.first = 0  # samples first .. first + num_samples - 1 are this stream's
+
+    def split(self, held_out: float = 0.05) -> tuple[IndexedTokens, IndexedTokens]:
+        """(training, held-out): the last `held_out` of the samples (at least one) are set aside for evaluation."""
+        if self.num_samples < 2:
+            raise ValueError(f"the dataset holds {self.num_samples} sample(s); evaluation needs at least 2.")
+        count = max(1, round(self.num_samples * held_out))
+        train, evaluate = _window(self, 0, self.num_samples - count), _window(self, self.num_samples - count, count)
+        return train, evaluate
 
     def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = (torch.arange(size) + step * size) % self.num_samples
+        index = self.first + (torch.arange(size) + step * size) % self.num_samples
         starts = index * self.seq_length
         rows = starts[:, None] + torch.arange(self.seq_length + 1)
         seq = self.tokens[rows]
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _window(data: IndexedTokens, first: int, count: int) -> IndexedTokens:
+    view = object.__new__(IndexedTokens)
+    view.__dict__.update(data.__dict__, first=data.first + first, num_samples=count)
+    return view
 
 
 def microbatch(batch: tuple[torch.Tensor, torch.Tensor], index: int, count: int, rank: int, dp: int):

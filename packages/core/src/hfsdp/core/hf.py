@@ -11,6 +11,7 @@ uses; `transformers` is imported only when one of these is called.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +36,20 @@ def load_config(path: str | Path):
     return config_from_dict(data, str(file))
 
 
+@contextmanager
+def _quiet():
+    """transformers' advice while building a model ("add is_decoder=True", deprecations) is for its own users;
+    hfsdp's own message says what matters. Restores the caller's verbosity after."""
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
+
+
 def config_from_dict(data: object, source: str = "the model config"):
     """A transformers config from its dict (`config.to_dict()`, or a config.json's contents)."""
     from transformers import AutoConfig
@@ -46,7 +61,8 @@ def config_from_dict(data: object, source: str = "the model config"):
         )
     params = {k: v for k, v in data.items() if k != "model_type"}
     try:
-        return AutoConfig.for_model(data["model_type"], **params)
+        with _quiet():
+            return AutoConfig.for_model(data["model_type"], **params)
     except (ValueError, KeyError, TypeError) as err:
         reason = str(err).split(". Should contain")[0][:300]  # transformers lists every model type it knows
         raise HFModelError(
@@ -61,8 +77,8 @@ def build_causal_lm(config, seed: int = 0, device: str | torch.device = "cpu") -
 
     torch.manual_seed(seed)
     try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        with torch.device(device), _quiet():
+            model = AutoModelForCausalLM.from_config(config).float()
     except ValueError as err:
         raise HFModelError(
             f"transformers has no causal language model for model_type '{config.model_type}' ({err}); use a "
