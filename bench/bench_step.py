@@ -1,4 +1,5 @@
-"""One training step of a megatron-core GPT: hfsdp against PyTorch FSDP2 on the same model, data and mesh.
+"""One training step of a megatron-core GPT or a transformers Llama: hfsdp against PyTorch FSDP2 on the same
+model, data, mesh and optimizer.
 
 Launch with torchrun, one process per rank:
 
@@ -10,12 +11,14 @@ Launch with torchrun, one process per rank:
 Engines (each layout runs them one after the other in the same process group; the
 previous model is freed before the next is built):
 
-- `hfsdp`: `shard_megatron_model` + `ShardedAdamW` + `clip_grad_norm_`, the mesh built
-  through the megatron-core adapter. bf16: bf16 parameter shards, fp32 main weights,
-  fp32 gradient reduction.
+- `hfsdp`: `shard_megatron_model` (GPT; the mesh built through the megatron-core adapter)
+  or `fully_shard(model, units=model.model.layers)` (Llama), `torch.optim.AdamW` over
+  its main params (fused by default, --optimizer), `hfsdp.core.clip_grad_norm_`. bf16:
+  fp32 main weights cast at each gather (or a bf16 shard where the optimizer shards
+  more than the parameters), fp32 gradient reduction.
 - `fsdp2`: `fully_shard` on every `model.decoder.layers[i]`, then on the root, with
   `MixedPrecisionPolicy(param_dtype=bf16 or None, reduce_dtype=fp32)`, on a DeviceMesh of
-  the same shape from `init_device_mesh`; `torch.optim.AdamW(foreach=True)` on its
+  the same shape from `init_device_mesh`; the same `torch.optim.AdamW` on its
   DTensors, `torch.nn.utils.clip_grad_norm_`. 1-D mesh ("dp_shard",) for R = 1 (FSDP);
   2-D ("dp_outer", "dp_shard") for R > 1, where FSDP2 does HSDP (replicate over
   dp_outer, shard over dp_shard). FSDP2 has no HFSDP: an `hfsdp:RxN` layout is compared
@@ -24,7 +27,7 @@ previous model is freed before the next is built):
   to backward but are sharded between steps, unlike ZeRO-2). FSDP2 has no
   ZeRO-1/DDP; those layouts run hfsdp only.
 - `plain`: the unsharded model on rank 0 alone (other ranks wait), fp32 parameters,
-  torch.optim.AdamW(foreach=True), rank 0's share of the work (M microbatches of
+  the same torch.optim.AdamW, rank 0's share of the work (M microbatches of
   micro-batch-size). With --dtype bf16 it runs under torch.autocast(bf16) on CUDA; on
   CPU it runs plain fp32 (no autocast). It is the reference for the overhead of
   sharding on one device: compare it with hfsdp/fsdp2 at world size 1.
@@ -118,6 +121,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt", help="megatron-core GPT or transformers Llama")
+    p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
+    p.add_argument("--ffn", type=int, default=None, help="llama: intermediate size (default: 8/3 hidden, to 256)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every unit's forward (both engines)")
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused", help="torch AdamW implementation")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="optimizer in host memory: hfsdp offload=True, FSDP2 CPUOffloadPolicy (parameters on the host too)",
+    )
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -248,11 +261,30 @@ def gpt_shape(args):
     )
 
 
-def build_model(cfg, shape, device: torch.device, init_groups: bool = True):
-    """The same GPT for every engine: megatron-core groups for `cfg`, seeded, re-initialised by name.
+def llama_config(args):
+    from transformers import LlamaConfig
 
-    Building the groups is collective; the plain engine (rank 0 alone) reuses the ones already built.
-    """
+    ffn = args.ffn or (8 * args.hidden // 3 + 255) // 256 * 256
+    return LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or args.heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_model(cfg, shape, device: torch.device, init_groups: bool = True):
+    """The same model for every engine, seeded. GPT: megatron-core groups for `cfg` (collective; the plain
+    engine, rank 0 alone, reuses the ones already built), re-initialised by name."""
+    if not hasattr(shape, "num_layers"):  # a transformers config
+        from hfsdp.core import hf
+
+        return hf.build_causal_lm(shape, seed=SEED).to(device)
     from hfsdp.core.megatron.adapter import expert_naming_for, initialize_parallel
     from hfsdp.core.megatron.cpu_shim import seed_megatron
     from hfsdp.core.megatron.gpt import build_gpt, reinit_by_global_name
@@ -265,11 +297,39 @@ def build_model(cfg, shape, device: torch.device, init_groups: bool = True):
     return model.to(device)
 
 
+def units_of(model) -> list:
+    return list(model.model.layers) if hasattr(model, "model") else list(model.decoder.layers)
+
+
+def loss_of(model, tokens, labels):
+    if hasattr(getattr(model, "module", model), "model"):  # a transformers causal LM, sharded or not
+        from hfsdp.core.hf import causal_lm_loss
+
+        return causal_lm_loss(model, tokens, labels)
+    from hfsdp.core.megatron.gpt import lm_loss
+
+    return lm_loss(model, tokens, labels)
+
+
+def maybe_compile(args, model) -> None:
+    if args.compile:
+        from hfsdp.core.unit_forward import compile_units
+
+        compile_units(units_of(model))
+
+
+def adamw(args, params):
+    kind = {"fused": True} if args.optimizer == "fused" else {"foreach": True}
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, **kind)
+
+
 def flops_per_token(model, shape) -> tuple[int, float]:
     """(parameter count, training FLOPs per token): 6 x matmul weights + 12 x layers x hidden x seq (attention)."""
     total = sum(p.numel() for p in model.parameters())
-    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "word_embeddings" not in n)
-    return total, 6.0 * matmul + 12.0 * shape.num_layers * shape.hidden_size * shape.seq_length
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n)
+    layers = getattr(shape, "num_layers", None) or shape.num_hidden_layers
+    seq = getattr(shape, "seq_length", None) or shape.max_position_embeddings
+    return total, 6.0 * matmul + 12.0 * layers * shape.hidden_size * seq
 
 
 # -- engines -------------------------------------------------------------------------------
@@ -323,30 +383,32 @@ class HfsdpEngine(Engine):
 
     def __init__(self, args, timers, compute_dtype, cfg, shape, device):
         super().__init__(args, timers, compute_dtype)
-        from hfsdp.core.flat_group import MixedPrecision
+        from hfsdp.core import MixedPrecision, build_meshes, fully_shard
         from hfsdp.core.megatron.adapter import shard_megatron_model
-        from hfsdp.core.optimizer import ShardedAdamW
 
         model = build_model(cfg, shape, device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
+        maybe_compile(args, model)
         mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        self.model = shard_megatron_model(model, cfg, device.type, mp)
-        self.opt = ShardedAdamW(self.model.groups, lr=args.lr, weight_decay=args.weight_decay)
+        if args.model == "gpt":
+            self.model = shard_megatron_model(model, cfg, device.type, mp, offload=args.offload)
+        else:
+            meshes = build_meshes(cfg, device.type)
+            self.model = fully_shard(model, cfg, meshes, units=units_of(model), mp=mp, offload=args.offload)
+        self.opt = adamw(args, [p for _, p in self.model.named_main_params()])
         self.label = cfg.layout_name
         self.mesh = tuple(self.model.meshes.dense.mesh_dim_names)
 
     def microbatch(self, index, count, tokens, labels):
-        from hfsdp.core.megatron.gpt import lm_loss
-
         self.model.set_microbatch(index, count)
-        loss = lm_loss(self.model, tokens, labels)
+        loss = loss_of(self.model, tokens, labels)
         loss.backward()
         return loss.detach()
 
     def clip(self):
-        from hfsdp.core.clip import clip_grad_norm_
+        from hfsdp.core import clip_grad_norm_
 
-        clip_grad_norm_(self.model.groups, self.args.clip_grad)
+        clip_grad_norm_(self.model, self.args.clip_grad)
 
     def optimizer_step(self):
         self.opt.step()
@@ -355,7 +417,8 @@ class HfsdpEngine(Engine):
         self.opt.zero_grad()
 
     def state_bytes(self):
-        return self.model.state_bytes() + self.opt.state_bytes()
+        state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return self.model.state_bytes() + tensor_bytes(state)
 
 
 class TorchOptimizerEngine(Engine):
@@ -382,7 +445,7 @@ class Fsdp2Engine(TorchOptimizerEngine):
     def __init__(self, args, timers, compute_dtype, cfg, shape, device, layout: Layout):
         super().__init__(args, timers, compute_dtype)
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         model = build_model(cfg, shape, device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
@@ -395,11 +458,13 @@ class Fsdp2Engine(TorchOptimizerEngine):
         self.hybrid = layout.instances > 1
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         reshard = layout.inner == "optim_grads_params"
-        for block in model.decoder.layers:
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        maybe_compile(args, model)
+        options = {"offload_policy": CPUOffloadPolicy()} if args.offload else {}
+        for block in units_of(model):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **options)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, **options)
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+        self.opt = adamw(args, model.parameters())
         kind = "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
         size = f"{layout.instances}x{layout.inner_size}"
         self.label = f"FSDP2 HSDP {size} ({kind} in rows)" if self.hybrid else f"FSDP2 {kind} {size}"
@@ -408,11 +473,9 @@ class Fsdp2Engine(TorchOptimizerEngine):
         self.mesh = tuple(mesh.mesh_dim_names)
 
     def microbatch(self, index, count, tokens, labels):
-        from hfsdp.core.megatron.gpt import lm_loss
-
         if self.hybrid and count > 1:
             self.model.set_requires_all_reduce(index == count - 1)
-        loss = lm_loss(self.model, tokens, labels)
+        loss = loss_of(self.model, tokens, labels)
         (loss / count).backward()
         return loss.detach()
 
@@ -424,7 +487,8 @@ class PlainEngine(TorchOptimizerEngine):
         super().__init__(args, timers, compute_dtype)
         self.model = build_model(cfg, shape, device, init_groups=False)
         self.params, self.flops_per_token = flops_per_token(self.model, shape)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+        maybe_compile(args, self.model)
+        self.opt = adamw(args, self.model.parameters())
         self.autocast = device.type == "cuda" and compute_dtype == torch.bfloat16
         self.device_type = device.type
         what = "fp32 params, autocast bf16" if self.autocast else "fp32"
@@ -432,11 +496,9 @@ class PlainEngine(TorchOptimizerEngine):
         self.mesh = ()
 
     def microbatch(self, index, count, tokens, labels):
-        from hfsdp.core.megatron.gpt import lm_loss
-
         ctx = torch.autocast(self.device_type, dtype=torch.bfloat16) if self.autocast else nullcontext()
         with ctx:
-            loss = lm_loss(self.model, tokens, labels)
+            loss = loss_of(self.model, tokens, labels)
         (loss / count).backward()
         return loss.detach()
 
@@ -474,7 +536,8 @@ def make_batches(shape, count_steps, gbs, microbatches, rank, dp, device):
     """Every step's microbatches for this rank, on the device (built before timing)."""
     from hfsdp.core.data import SyntheticTokens, microbatch
 
-    data = SyntheticTokens(shape.vocab_size, shape.seq_length, seed=SEED)
+    seq = getattr(shape, "seq_length", None) or shape.max_position_embeddings
+    data = SyntheticTokens(shape.vocab_size, seq, seed=SEED)
     out = []
     for step in range(count_steps):
         batch = data.global_batch(step, gbs)
@@ -786,7 +849,7 @@ def _main(args, device, rank, world) -> int:
 
     layouts = parse_layouts(args.layouts, world)
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else None
-    shape = gpt_shape(args)
+    shape = gpt_shape(args) if args.model == "gpt" else llama_config(args)
     timers = CallTimers()
     if args.timing or args.profile:
         install_comm_timers(timers)
@@ -800,7 +863,7 @@ def _main(args, device, rank, world) -> int:
         "torch": torch.__version__,
         "host": platform.node(),
         "cpu_threads_per_rank": torch.get_num_threads(),
-        "shape": asdict(shape),
+        "shape": asdict(shape) if args.model == "gpt" else shape.to_dict(),
     }
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)

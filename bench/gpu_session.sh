@@ -1,39 +1,45 @@
 #!/usr/bin/env bash
-# One device call: the step benchmark on 2 GPUs (and 1 unless SKIP_ONE=1), save -> offline reshard -> resume on
-# GPU, then the fp32 losses of every 2-GPU layout against 1 GPU (when LAYOUTS=1).
-# Usage (on the GPU machine, with the packages on PYTHONPATH): bash bench/gpu_session.sh OUT_DIR
+# One device call: install the carried megatron-core wheel, then run the benchmarks PHASES names
+# (space-separated; default: all) into OUT_DIR. Each bench prints its tables; full JSON and logs stay in OUT_DIR.
+#   optimizer  bench_optimizer.py: the AdamW step alone (torch fused vs the removed flat AdamW)
+#   gpt1       megatron-core GPT 0.94B, 1 GPU: hfsdp vs FSDP2 (and plain), profiled
+#   llama1     transformers Llama 0.89B, 1 GPU, eager: hfsdp vs FSDP2, profiled
+#   compile1   the Llama with torch.compile per decoder layer, 1 GPU
+#   gpt2       the GPT on 2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1
+#   llama2     the Llama on 2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1
+#   offload1   the Llama with the optimizer in host memory, 1 GPU: hfsdp offload vs FSDP2 CPUOffloadPolicy
+# Usage (repository root on the GPU machine): bash bench/gpu_session.sh OUT_DIR [PHASES]
 set -u
 out=${1:?output directory}
+phases=${2:-"optimizer gpt1 llama1 compile1 gpt2 llama2 offload1"}
 mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:packages/core/src:packages/ckpt/src:packages/cli/src
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-M="--dtype bf16 --layers 16 --hidden 2048 --heads 16 --vocab 32000 --seq-len 2048 --micro-batch-size 4 --steps 15 --warmup 3"
-timeout 240 torchrun --nproc-per-node 2 bench/bench_step.py --device cuda $M \
-  --layouts zero3:1x2,hsdp:2x1,hfsdp:2x1 --engines hfsdp,fsdp2 --profile --out "$out/two.json" >"$out/two.log" 2>&1
-tail -45 "$out/two.log"
-if [ "${SKIP_ONE:-0}" != 1 ]; then
-  timeout 150 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $M \
-    --layouts zero3:1x1 --engines hfsdp,fsdp2,plain --out "$out/one.json" >"$out/one.log" 2>&1
-  grep -A6 "## Step time" "$out/one.log"
-fi
-# Checkpoint on GPUs: HFSDP 2x1 for 2 steps, reshard offline to 1 GPU, resume to step 4.
-S="--layers 4 --hidden 512 --heads 8 --vocab 8192 --seq-len 512 --global-batch-size 8 --micro-batch-size 2 --device cuda"
-ck=/tmp/hfsdp-ck
-rm -rf $ck $ck-1
-python3 -m hfsdp.cli train --nproc 2 --instances 2 --outer optim --steps 4 --metrics "$out/whole.jsonl" $S >"$out/ck.log" 2>&1
-python3 -m hfsdp.cli train --nproc 2 --instances 2 --outer optim --steps 2 --save $ck $S >>"$out/ck.log" 2>&1
-python3 -m hfsdp.cli ckpt reshard $ck $ck-1 --world-size 1 --instances 1 --outer no_shard >>"$out/ck.log" 2>&1
-python3 -m hfsdp.cli train --nproc 1 --steps 4 --load $ck-1 --metrics "$out/resumed.jsonl" $S >>"$out/ck.log" 2>&1
-python3 - "$out" <<'PY'
-import json, sys
-out = sys.argv[1]
-whole = [json.loads(line) for line in open(f"{out}/whole.jsonl")]
-resumed = [json.loads(line) for line in open(f"{out}/resumed.jsonl")]
-for r in resumed:
-    w = whole[r["step"] - 1]
-    print(f"step {r['step']}: uninterrupted 2 GPUs {w['loss']:.6f}  resumed on 1 GPU {r['loss']:.6f}  rel {abs(r['loss'] - w['loss']) / w['loss']:.2e}")
-PY
-if [ "${LAYOUTS:-0}" = 1 ]; then
-  timeout 200 python3 bench/gpu_layouts.py --out-dir /tmp/hfsdp-layouts --device cuda --gpus 2 --dtype fp32 --steps 4 \
-    --only "1 rank,ZeRO-3 1x2,HSDP 2x1,HFSDP 2x1" >"$out/layouts.log" 2>&1
-  tail -12 "$out/layouts.log"
-fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$out/gpu.txt"
+B="--dtype bf16 --seq-len 2048 --micro-batch-size 4 --vocab 32000 --steps 12 --warmup 3"
+GPT="--model gpt --layers 16 --hidden 2048 --heads 16"
+LLAMA="--model llama --layers 16 --hidden 2048 --heads 16 --ffn 5632"
+show() { grep -v "Warning\|warn(\|DEPRECATED" "$1" | grep -A8 "## Step time\|## Loss" | head -24; }
+for phase in $phases; do
+  echo "=== $phase"
+  case $phase in
+    optimizer) timeout 120 python3 bench/bench_optimizer.py --hidden 2048 --layers 16 | tee "$out/optimizer.log" ;;
+    gpt1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $GPT --layouts zero3:1x1 \
+            --engines hfsdp,fsdp2,plain --profile --out "$out/gpt1.json" >"$out/gpt1.log" 2>&1; show "$out/gpt1.log" ;;
+    llama1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --layouts zero3:1x1 \
+            --engines hfsdp,fsdp2 --profile --out "$out/llama1.json" >"$out/llama1.log" 2>&1; show "$out/llama1.log" ;;
+    compile1) timeout 420 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --compile \
+            --layouts zero3:1x1 --engines hfsdp,fsdp2 --profile --out "$out/compile1.json" >"$out/compile1.log" 2>&1
+            show "$out/compile1.log" ;;
+    gpt2) timeout 420 torchrun --nproc-per-node 2 bench/bench_step.py --device cuda $B $GPT \
+            --layouts zero3:1x2,hsdp:2x1,hfsdp:2x1 --engines hfsdp,fsdp2 --out "$out/gpt2.json" >"$out/gpt2.log" 2>&1
+          show "$out/gpt2.log" ;;
+    llama2) timeout 420 torchrun --nproc-per-node 2 bench/bench_step.py --device cuda $B $LLAMA \
+            --layouts zero3:1x2,hsdp:2x1,hfsdp:2x1 --engines hfsdp,fsdp2 --out "$out/llama2.json" >"$out/llama2.log" 2>&1
+          show "$out/llama2.log" ;;
+    offload1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $LLAMA --dtype bf16 \
+            --seq-len 2048 --micro-batch-size 4 --vocab 32000 --steps 4 --warmup 1 --offload --layouts zero3:1x1 \
+            --engines hfsdp,fsdp2 --out "$out/offload1.json" >"$out/offload1.log" 2>&1; show "$out/offload1.log" ;;
+  esac
+done

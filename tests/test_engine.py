@@ -42,7 +42,7 @@ def _layout_id(layout) -> str:
 # -- what every rank runs ----------------------------------------------------------------------------
 
 
-def _shard(world, layout, mp=None):
+def _shard(world, layout, mp=None, offload=False):
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.mesh import build_meshes
     from hfsdp.core.sharded_model import fully_shard
@@ -50,7 +50,7 @@ def _shard(world, layout, mp=None):
     outer, inner, instances = layout
     cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
     model = make_toy()
-    return fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp)
+    return fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, offload=offload)
 
 
 def _train(sharded, opt, rank, world, steps=STEPS, clip=None, schedule=None):
@@ -117,6 +117,7 @@ def _world4_cases(rank, world):
     out["adafactor"] = _adafactor(rank, world)
     out["misuse"] = _misuse(rank, world)
     out["bf16"] = {name: _bf16_step(rank, world, layout) for name, layout in BF16_LAYOUTS.items()}
+    out["offload"] = _offloaded(rank, world)
     return out
 
 
@@ -401,11 +402,38 @@ BF16_LAYOUTS = {
 }
 
 
-def _bf16_step(rank, world, layout):
+OFFLOADED = [("no_shard", "optim_grads_params", 2), ("optim", "optim_grads_params", 2)]
+
+
+def _offloaded(rank, world):
+    """The main weights and optimizer state in host memory (on CPU the copies are host to host, but the path is
+    the GPU's: a separate fp32 main copy, gradients staged before the step, weights copied back after)."""
+    from hfsdp.core import MixedPrecision
+
+    out = {}
+    for layout in OFFLOADED:
+        for optimizer, clip in RUNS.items():
+            sharded = _shard(world, layout, offload=True)
+            opt = OPTIMIZERS[optimizer]([p for _, p in sharded.named_main_params()])
+            losses, norms = _train(sharded, opt, rank, world, clip=clip)
+            separate = all(g.main.data_ptr() != g.param_shard.data_ptr() for g in sharded.groups)
+            out[layout, optimizer] = {
+                "losses": losses,
+                "norms": norms,
+                "pieces": _pieces(sharded),
+                "separate": separate,
+            }
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out["bf16"] = _bf16_step(rank, world, ("no_shard", "optim_grads_params", 2), offload=True, mp=mp)
+    return out
+
+
+def _bf16_step(rank, world, layout, offload=False, mp=None):
     """One step of bf16 compute with fp32 reduction: main weights before, reduced gradients, main weights after."""
     from hfsdp.core import MixedPrecision
 
-    sharded = _shard(world, layout, mp=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    mp = mp or MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    sharded = _shard(world, layout, mp=mp, offload=offload)
     opt = OPTIMIZERS["adamw"]([p for _, p in sharded.named_main_params()])
     before = _pieces(sharded)
     grads = {}
@@ -521,3 +549,25 @@ def test_moe_on_non_square_expert_domains_matches_the_reference(world6, name):
     params = _assemble([r["moe"][name]["pieces"] for r in world6], shapes)
     for n in shapes:
         torch.testing.assert_close(params[n], dict(model.named_parameters())[n].detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("optimizer", list(RUNS))
+@pytest.mark.parametrize("layout", OFFLOADED, ids=[_layout_id(x) for x in OFFLOADED])
+def test_offloaded_optimizer_matches_the_reference(world4, layout, optimizer):
+    """With the fp32 main weights and optimizer state offloaded (a main copy apart from the parameter shard,
+    gradients staged to the host before the step, weights copied back after), losses, norms and parameters are
+    the reference's."""
+    results = [{(layout, optimizer): r["offload"][layout, optimizer]} for r in world4]
+    assert all(r[layout, optimizer]["separate"] for r in results)
+    _check_against_reference(results, layout, optimizer)
+
+
+def test_offloaded_bf16_step_keeps_fp32_main_weights(world4):
+    """An offloaded bf16 HSDP step computes the same fp32 gradients and main weights as the bf16 reference."""
+    ref_before, ref_grads, ref_after = _bf16_reference(4)
+    shapes = {n: t.shape for n, t in ref_before.items()}
+    got = {key: _assemble([r["offload"]["bf16"][key] for r in world4], shapes) for key in ("before", "grads", "after")}
+    for n in shapes:
+        torch.testing.assert_close(got["before"][n], ref_before[n], rtol=0, atol=0, msg=n)
+        torch.testing.assert_close(got["grads"][n], ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(got["after"][n], ref_after[n], rtol=1e-5, atol=1e-7, msg=n)

@@ -53,7 +53,8 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     model = hf.build_causal_lm(config, seed=cfg.seed).to(device)
     units = hf.decoder_layers(model)
     _wrap_units(cfg, units)
-    sharded = fully_shard(model, cfg.layout, build_meshes(cfg.layout, device.type), units=units, mp=mp)
+    meshes = build_meshes(cfg.layout, device.type)
+    sharded = fully_shard(model, cfg.layout, meshes, units=units, mp=mp, offload=cfg.offload == "optim")
     record = {"format": "transformers", "config": config.to_dict()}
     return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record)
 
@@ -82,5 +83,5 @@ def _megatron_gpt(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     reinit_by_global_name(model, expert_naming_for(layout), cfg.seed)
     model.to(device)
     _wrap_units(cfg, list(model.decoder.layers))
-    sharded = shard_megatron_model(model, layout, device.type, mp)
+    sharded = shard_megatron_model(model, layout, device.type, mp, offload=cfg.offload == "optim")
     return BuiltModel(sharded, lm_loss, cfg.vocab, {"format": "megatron-gpt", "config": shape.record()})

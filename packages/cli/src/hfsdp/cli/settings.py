@@ -28,6 +28,7 @@ DTYPES = ("fp32", "bf16")  # what the trainer runs; fp16 would need loss scaling
 DEVICES = ("auto", "cpu", "cuda")
 NORMS = ("LayerNorm", "RMSNorm")
 DECAY_STYLES = ("constant", "linear", "cosine")
+OFFLOADS = ("none", "optim")
 #: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
 GPT_SETTINGS = ("layers", "hidden", "heads", "vocab", "normalization", "swiglu", "num_query_groups", "num_moe_experts")
 #: One megatron-core seed offset is added to the seed; keep the sum a valid 32-bit seed.
@@ -220,6 +221,17 @@ SETTINGS: tuple[Setting, ...] = (
         "Recompute every unit's activations in backward (activation checkpointing) to save memory.",
         boolean,
         key="train.recompute",
+        panel="Model",
+    ),
+    Setting(
+        "offload",
+        "--offload",
+        "none",
+        str,
+        f"What lives in host memory: {', '.join(OFFLOADS)} (optim: the fp32 main weights and AdamW state; the "
+        "optimizer steps on the CPU).",
+        one_of(*OFFLOADS),
+        key="train.offload",
         panel="Model",
     ),
     Setting(

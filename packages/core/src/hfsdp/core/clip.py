@@ -18,7 +18,7 @@ from hfsdp.core.placement import State
 def global_grad_norm(model_or_groups) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, over dense and expert meshes together (collective)."""
     groups = _groups(model_or_groups)
-    device = groups[0].main.device if groups else torch.device("cpu")
+    device = groups[0].device if groups else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for group in groups:
         replicas = group.layout.size // group.layout.shard_factor(State.OPTIM)

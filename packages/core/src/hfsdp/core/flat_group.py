@@ -20,6 +20,10 @@ A `FlatParamGroup` owns these buffers:
   microbatches; after the last microbatch its optimizer range holds the reduced
   gradient. It exists from a step's first backward until the step consumes it.
 
+With `offload`, `main` (and so the optimizer and its state) lives in host memory:
+the compute-dtype shard is always kept on the device, the reduced gradient is
+copied to the host before the optimizer step, and the new piece copied back after.
+
 Padding makes every piece equal on every axis, so collectives never see uneven
 sizes. Padding starts at zero and stays zero: its gradient is zero, so
 elementwise optimizers leave it at zero, and no parameter view, main param or
@@ -74,8 +78,10 @@ class FlatParamGroup:
         layout: MeshLayout,
         mp: MixedPrecision,
         streams=None,
+        offload: bool = False,
     ):
         self.mesh, self.layout, self.plan = mesh, layout, plan_for(layout)
+        self.offload = offload
         self.streams = streams or SyncStreams()
         self.is_expert = False  # set by the model: which mesh this group is on
         self.unit_index = 0  # set by the model: position of the owning unit (root last)
@@ -101,16 +107,18 @@ class FlatParamGroup:
             for slot in self.slots:
                 full[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
         self.param_shard: torch.Tensor | None = None
-        if self.compute_dtype == torch.float32:
+        if self.compute_dtype == torch.float32 and not offload:
             # fp32 compute: the optimizer steps the parameter shard itself (its piece is a sub-range).
             self.param_shard = full[slice(*self.param_range)].clone()
             lo = self.param_range[0]
             self.main = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
         else:
-            self.main = full[slice(*self.optim_range)].clone()
-            if self.param_range != self.optim_range:
-                self.param_shard = full[slice(*self.param_range)].to(self.compute_dtype)
+            main = full[slice(*self.optim_range)]
+            self.main = _to_host(main) if offload else main.clone()
+            if offload or self.param_range != self.optim_range:  # offloaded: gathers must not read host memory
+                self.param_shard = full[slice(*self.param_range)].to(self.compute_dtype, copy=True)
         del full
+        self._host_grad: torch.Tensor | None = None  # offload: where the reduced gradient goes for the optimizer
         self.main_params: list = []  # set by the model: the MainParams aliasing `main`
         # Whether `unsharded` is built (gathered, or cast from `main`) each time the unit runs.
         self.transient_unsharded = bool(self.plan.param_gather) or self.param_shard is None
@@ -274,7 +282,14 @@ class FlatParamGroup:
             self._reduction_in_flight = ()
 
     def _fill(self, flat: torch.Tensor, scale: float, accumulate: bool) -> None:
-        """Add (or write) each parameter's grad times `scale` into its slot; the loss scaling happens here only."""
+        """Add (or write) each parameter's grad times `scale` into its slot; the loss scaling happens here only.
+
+        One kernel per parameter either way, computing in the reduction dtype: the
+        scale is a one-element tensor of that dtype, so type promotion upcasts a
+        bf16 gradient inside the multiplication (a Python scalar would leave it in
+        bf16 and round the product there), and `add_` promotes likewise.
+        """
+        factor = torch.full((1,), scale, dtype=flat.dtype, device=flat.device)
         for slot in self.slots:
             grad = slot.param.grad
             view = flat[slot.offset : slot.offset + slot.numel]
@@ -283,10 +298,8 @@ class FlatParamGroup:
                     view.add_(grad.reshape(-1), alpha=scale)
             elif grad is None:
                 view.zero_()
-            elif grad.dtype == view.dtype:
-                torch.mul(grad.reshape(-1), scale, out=view)
-            else:  # upcast first, so the scaling happens in the reduction dtype
-                view.copy_(grad.reshape(-1)).mul_(scale)
+            else:
+                torch.mul(grad.reshape(-1), factor, out=view)
             slot.param.grad = None
 
     @property
@@ -308,11 +321,25 @@ class FlatParamGroup:
         does only right before the optimizer step, so the copy is not held through
         the rest of the step.
         """
+        if self.offload:
+            if copy:
+                self._stage_grads_on_host()
+            return
         if self.reduce_dtype != torch.float32 and not copy:
             return
         for piece in self.main_params:
             if piece.param.grad is None:
                 piece.param.grad = piece.grad_view()
+
+    def _stage_grads_on_host(self) -> None:
+        """Offload: copy the reduced gradient of the optimizer range into host memory (asynchronously; the model
+        synchronizes once for all groups before the optimizer reads it) and point the main params at it."""
+        if self._host_grad is None:
+            self._host_grad = _to_host(torch.empty(self.main.numel(), dtype=torch.float32, device=self.device))
+        self._host_grad.copy_(self.main_grad, non_blocking=True)
+        for piece in self.main_params:
+            numel = piece.stop - piece.start
+            piece.param.grad = self._host_grad[piece.offset : piece.offset + numel].view(piece.param.shape)
 
     def zero_grad(self) -> None:
         """Free the gradient buffer (after any reduction into it) and the main params' views of it; the next
@@ -340,7 +367,7 @@ class FlatParamGroup:
             lo = self.param_range[0]
             piece = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
             if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
-                piece.copy_(self.main)
+                piece.copy_(self.main, non_blocking=self.offload)  # from pinned host memory when offloaded
             if self.plan.post_step_gather:
                 written = self.streams.record("compute")
                 with self.streams.side("gather"):
@@ -372,9 +399,17 @@ class FlatParamGroup:
         return self.layout.names[k]
 
     def state_bytes(self) -> int:
-        """Model-state bytes on this rank as the memory model counts them: the compute-dtype parameter shard
-        where one is kept, the gradient piece, and the fp32 main weights where they are not that shard."""
+        """Model-state bytes on this rank's device as the memory model counts them: the compute-dtype parameter
+        shard where one is kept, the gradient piece, and the fp32 main weights where they are neither that shard
+        nor offloaded to host memory."""
         shard = 0 if self.param_shard is None else self.param_shard.numel() * self.param_shard.element_size()
         grad = (self.grad_range[1] - self.grad_range[0]) * self.reduce_dtype.itemsize
-        main = 0 if self.compute_dtype == torch.float32 else self.main.numel() * self.main.element_size()
+        separate = self.compute_dtype != torch.float32 and not self.offload
+        main = self.main.numel() * self.main.element_size() if separate else 0
         return shard + grad + main
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in host memory, page-locked when it comes from a GPU (so copies back run asynchronously)."""
+    host = tensor.to("cpu", copy=True)
+    return host.pin_memory() if tensor.is_cuda else host

@@ -48,6 +48,7 @@ class ShardedModel(nn.Module):
         is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
         expert_naming: ExpertNaming | None = None,
         streams=None,
+        offload: bool = False,
     ):
         super().__init__()
         self.module = module
@@ -56,6 +57,7 @@ class ShardedModel(nn.Module):
         self.streams = streams if streams is not None else streams_for(device)
         self.config, self.meshes = config, meshes
         self.mp = mp or MixedPrecision()
+        self.offload = offload  # fp32 main weights and optimizer state in host memory
         self._num_microbatches, self._is_last = 1, True
         self._backward_queued = False
         names = {p: n for n, p in module.named_parameters()}
@@ -107,7 +109,7 @@ class ShardedModel(nn.Module):
                 if expert
                 else (self.meshes.dense, self.meshes.dense_layout)
             )
-            group = FlatParamGroup(members, mesh, layout, self.mp, self.streams)
+            group = FlatParamGroup(members, mesh, layout, self.mp, self.streams, offload=self.offload)
             group.is_expert = expert
             groups.append(group)
         return groups
@@ -178,6 +180,8 @@ class ShardedModel(nn.Module):
         if self._grads_complete:
             for group in self.groups:
                 group.expose_grads(copy=True)
+            if self.offload and torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()  # the host gradients are in before the CPU reads them
 
     def after_optimizer_step(self) -> None:
         """Publish the new weights (collective, group order) and release the step's gradients."""
@@ -239,6 +243,7 @@ def fully_shard(
 ) -> ShardedModel:
     """Shard `module` on `meshes`: each of `units` gets its own buffers, the root takes the rest.
 
-    `options` are ShardedModel's: `mp`, `is_expert`, `expert_naming`, `streams`.
+    `options` are ShardedModel's: `mp`, `is_expert`, `expert_naming`, `streams`, and `offload` (keep the fp32
+    main weights and the optimizer state in host memory; the optimizer steps there).
     """
     return ShardedModel(module, config, meshes, units, **options)

@@ -81,11 +81,15 @@ def expert_naming_for(cfg: LayoutConfig) -> ExpertNaming | None:
 
 
 def shard_megatron_model(
-    model: torch.nn.Module, cfg: LayoutConfig, device_type: str, mp: MixedPrecision | None = None
+    model: torch.nn.Module, cfg: LayoutConfig, device_type: str, mp: MixedPrecision | None = None, **options
 ) -> ShardedModel:
-    """Shard a GPTModel: each transformer layer is a unit, the root holds embeddings and output layer."""
+    """Shard a GPTModel: each transformer layer is a unit, the root holds embeddings and output layer.
+
+    `options` go to `fully_shard` (e.g. `offload=True`)."""
     meshes = build_meshes(cfg, device_type)
     check_meshes_against_megatron(meshes, cfg)
     layers = list(model.decoder.layers)
     naming = expert_naming_for(cfg)
-    return fully_shard(model, cfg, meshes, units=layers, mp=mp, is_expert=is_expert_param, expert_naming=naming)
+    return fully_shard(
+        model, cfg, meshes, units=layers, mp=mp, is_expert=is_expert_param, expert_naming=naming, **options
+    )
