@@ -243,12 +243,14 @@ def summarize_profile(prof, device_type: str) -> dict:
     per_step = 1e-6 / len(steps)
     if device_type == "cuda":
         kernels = {"comm": [], "copy": [], "compute": []}
+        by_name: dict[str, float] = {}  # kernel time by (shortened) kernel name
         for e in events:
             if e.device_type != torch.autograd.DeviceType.CUDA or _is_annotation(e):
                 continue
             low = e.name.lower() + " " + str(getattr(e, "activity_type", "") or "").lower()
             kind = "comm" if "nccl" in low else "copy" if any(w in low for w in _COPY_KERNEL_WORDS) else "compute"
             kernels[kind].append((e.time_range.start, e.time_range.end))
+            by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start)
         unions = {k: _intersect(_union(v), windows) for k, v in kernels.items()}
         busy = _union(unions["compute"] + unions["copy"])
         every = _union(busy + unions["comm"])
@@ -261,6 +263,7 @@ def summarize_profile(prof, device_type: str) -> dict:
             "comm_s": _length(unions["comm"]) * per_step,
             "comm_exposed_s": (_length(unions["comm"]) - comm_covered) * per_step,
             "idle_s": (wall_us - _length(every)) * per_step,
+            "top_kernels_s": [(n, t * per_step) for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]],
         }
     else:
         thread = steps[0].thread

@@ -148,6 +148,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the results as JSON here (rank 0)")
     p.add_argument("--profile", action="store_true", help="profile --profile-steps extra steps per engine")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="CUDA: after the timed steps, one more step recording allocated memory at every unit's forward and "
+        "backward boundaries, and where the step's peak falls",
+    )
     p.add_argument("--trace-dir", default=None, help="with --profile: write a chrome trace per engine and rank")
     p.add_argument(
         "--timers",
@@ -583,6 +589,12 @@ def run_engine(
     peak_allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     summary = profile_engine(engine, batches[total_steps:], args, device) if profile else None
+    memory_trace = None
+    if args.memory_trace and device.type == "cuda":
+        try:
+            memory_trace = trace_memory(engine, batches[-1], device)
+        except Exception as err:  # a diagnostic must not lose the timings
+            memory_trace = [(f"failed: {type(err).__name__}: {err}", 0.0, 0.0)]
 
     stacked = torch.stack(losses).float()
     if group_size > 1:
@@ -616,10 +628,39 @@ def run_engine(
         "timers_cpu_s_per_step": {k: v["cpu_seconds"] / steps for k, v in timer_totals.items()},
         "timer_calls_per_step": {k: v["calls"] / steps for k, v in timer_totals.items()},
         "profile": summary,
+        "memory_trace": memory_trace,
     }
     del engine
     free_memory(device)
     return result
+
+
+def trace_memory(engine, microbatches, device) -> list[tuple[str, float, float]]:
+    """One step with a mark at every unit's forward and backward boundaries: (mark, allocated MiB, peak MiB since
+    the previous mark). Shows which phase holds a step's peak and how much each engine holds there."""
+    model = engine.model.module if engine.kind == "hfsdp" else engine.model
+    marks: list[tuple[str, float, float]] = []
+
+    def mark(label):
+        marks.append(
+            (label, torch.cuda.memory_allocated(device) / 2**20, torch.cuda.max_memory_allocated(device) / 2**20)
+        )
+        torch.cuda.reset_peak_memory_stats(device)
+
+    handles = []
+    for i, unit in enumerate(units_of(model)):
+        handles.append(unit.register_forward_pre_hook(lambda *_, i=i: mark(f"fwd {i} start")))
+        handles.append(unit.register_full_backward_pre_hook(lambda *_, i=i: mark(f"bwd {i} start")))
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        engine.train_step(microbatches)
+        torch.cuda.synchronize(device)
+        mark("step end")
+    finally:
+        for handle in handles:
+            handle.remove()
+    return marks
 
 
 def profile_engine(engine, batches, args, device) -> dict:

@@ -26,9 +26,9 @@ for phase in $phases; do
   case $phase in
     optimizer) timeout 120 python3 bench/bench_optimizer.py --hidden 2048 --layers 16 | tee "$out/optimizer.log" ;;
     gpt1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $GPT --layouts zero3:1x1 \
-            --engines hfsdp,fsdp2,plain --profile --out "$out/gpt1.json" >"$out/gpt1.log" 2>&1; show "$out/gpt1.log" ;;
+            --engines hfsdp,fsdp2,plain --profile --memory-trace --out "$out/gpt1.json" >"$out/gpt1.log" 2>&1; show "$out/gpt1.log" ;;
     llama1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --layouts zero3:1x1 \
-            --engines hfsdp,fsdp2 --profile --out "$out/llama1.json" >"$out/llama1.log" 2>&1; show "$out/llama1.log" ;;
+            --engines hfsdp,fsdp2 --profile --memory-trace --out "$out/llama1.json" >"$out/llama1.log" 2>&1; show "$out/llama1.log" ;;
     compile1) timeout 420 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --compile \
             --layouts zero3:1x1 --engines hfsdp,fsdp2 --profile --out "$out/compile1.json" >"$out/compile1.log" 2>&1
             show "$out/compile1.log" ;;
