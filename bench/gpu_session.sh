@@ -8,6 +8,7 @@
 #   gpt2       the GPT on 2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1
 #   llama2     the Llama on 2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1
 #   offload1   the Llama with the optimizer in host memory, 1 GPU: hfsdp offload vs FSDP2 CPUOffloadPolicy
+# EXTRA: what gpt1 and llama1 add to the timing (default: --profile --memory-trace).
 # Usage (repository root on the GPU machine): bash bench/gpu_session.sh OUT_DIR [PHASES]
 set -u
 out=${1:?output directory}
@@ -26,11 +27,11 @@ for phase in $phases; do
   case $phase in
     optimizer) timeout 120 python3 bench/bench_optimizer.py --hidden 2048 --layers 16 | tee "$out/optimizer.log" ;;
     gpt1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $GPT --layouts zero3:1x1 \
-            --engines hfsdp,fsdp2,plain --profile --memory-trace --out "$out/gpt1.json" >"$out/gpt1.log" 2>&1; show "$out/gpt1.log" ;;
+            --engines hfsdp,fsdp2,plain ${EXTRA---profile --memory-trace} --out "$out/gpt1.json" >"$out/gpt1.log" 2>&1; show "$out/gpt1.log" ;;
     llama1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --layouts zero3:1x1 \
-            --engines hfsdp,fsdp2 --profile --memory-trace --out "$out/llama1.json" >"$out/llama1.log" 2>&1; show "$out/llama1.log" ;;
+            --engines hfsdp,fsdp2 ${EXTRA---profile --memory-trace} --out "$out/llama1.json" >"$out/llama1.log" 2>&1; show "$out/llama1.log" ;;
     compile1) timeout 420 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --compile \
-            --layouts zero3:1x1 --engines hfsdp,fsdp2 --profile --out "$out/compile1.json" >"$out/compile1.log" 2>&1
+            --layouts zero3:1x1 --engines hfsdp,fsdp2 --out "$out/compile1.json" >"$out/compile1.log" 2>&1
             show "$out/compile1.log" ;;
     gpt2) timeout 420 torchrun --nproc-per-node 2 bench/bench_step.py --device cuda $B $GPT \
             --layouts zero3:1x2,hsdp:2x1,hfsdp:2x1 --engines hfsdp,fsdp2 --out "$out/gpt2.json" >"$out/gpt2.log" 2>&1

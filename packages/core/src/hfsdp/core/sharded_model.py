@@ -80,13 +80,14 @@ class ShardedModel(nn.Module):
                     input_dtype=self.mp.param_dtype if unit_module is module else None,
                 )
             )
-        # Prefetch in execution order: forward runs root, then the units as given; backward the reverse.
+        # Prefetch in execution order: forward runs root, then the units as given; backward the reverse. The
+        # root's backward (the loss and the output layer: the step's largest activations and their gradients)
+        # prefetches nothing: the last unit's gather starts when its own backward does, as in FSDP2, so it does
+        # not sit on top of the step's memory peak (measured on one H200: 98 MiB of a Llama layer).
         order = [self.units[-1], *self.units[:-1]]
         for earlier, later in itertools.pairwise(order):
             earlier.prefetch_forward = later
             later.prefetch_backward = earlier if earlier is not self.units[-1] else None
-        if len(order) > 1:
-            order[0].prefetch_backward = order[-1]
         self.main_params = build_main_params(self, self.groups)
         for group in self.groups:
             group.main_params = [p for p in self.main_params if p.group is group]
