@@ -210,6 +210,7 @@ def inspect(
 
 def _print_inspect(info: dict[str, Any]) -> None:
     from hfsdp.ckpt.checksum import short
+    from hfsdp.ckpt.model_record import describe
 
     console = _console()
     layout = info["layout"]
@@ -217,6 +218,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
     unsealed = "" if info["index_checksum"] else f" (format version {info['version']}: the index has no checksum)"
     say(f"{info['path']}: step {info['step']}{unsealed}")
     say(f"Layout: {layout['name']}, world size {layout['world_size']}")
+    say(f"Model: {describe(info['model'])}")
     if layout.get("num_moe_experts"):
         say(f"Experts: {layout['num_moe_experts']}, ep {layout['ep']}")
     opt = info["optimizer"]
