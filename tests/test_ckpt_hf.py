@@ -438,3 +438,27 @@ def _one_paragraph(output: str, prefix: str, words: str) -> None:
     text = output.strip()
     assert text.startswith(prefix) and "\n" not in text, output
     assert words in text, output
+
+
+def test_import_follows_the_symlinks_of_the_hub_cache_but_refuses_a_fifo(hf_dirs, tmp_path):
+    """The hub cache's snapshot files are symlinks into its blob store: imported. A FIFO would block a reader
+    forever: refused before it is opened."""
+    import os
+
+    snapshot, blobs = tmp_path / "snapshots" / "abc", tmp_path / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for file in hf_dirs["llama tied sharded"].iterdir():
+        shutil.copy(file, blobs / file.name)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / file.name)
+    import_hf(snapshot, tmp_path / "ckpt", LayoutConfig(world_size=2))
+    export(tmp_path / "ckpt", tmp_path / "out", "fp32")
+    assert torch.equal(hf_logits(tmp_path / "out"), hf_logits(hf_dirs["llama tied sharded"]))
+
+    fifo = tmp_path / "fifo"
+    shutil.copytree(hf_dirs["llama untied"], fifo)
+    (fifo / "model.safetensors").unlink()
+    os.mkfifo(fifo / "model.safetensors")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        import_hf(fifo, tmp_path / "ckpt2", LayoutConfig(world_size=2))
+    assert not (tmp_path / "ckpt2").exists()
