@@ -190,7 +190,7 @@ def test_export_dtypes_and_config(hf_dirs, tmp_path):
         export(tmp_path / "ckpt", out, dtype)
         config = json.loads((out / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"]
-        assert config.get("dtype", config.get("torch_dtype")) == str(expected).removeprefix("torch.")
+        assert config["dtype"] == config["torch_dtype"] == str(expected).removeprefix("torch.")
         assert {t.dtype for t in hf_tensors(out).values()} == {expected}
         model = AutoModelForCausalLM.from_pretrained(out)
         assert next(model.parameters()).dtype == expected

@@ -17,6 +17,7 @@ missing and nothing unexpected. They are written in its state-dict order.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +110,11 @@ def _difference(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, 
 
 
 def config_json(model: Skeleton, dtype: torch.dtype) -> str:
-    """config.json of the export: the model's config naming its architecture and the exported dtype (the key is
-    the installed transformers' own: `dtype` since 5.0, `torch_dtype` before)."""
+    """config.json of the export: the model's config as transformers writes it, naming the architecture and the
+    exported dtype under both keys transformers has used for it (`dtype` since 5.0, `torch_dtype` before), so
+    that either release loads the weights in that dtype with `dtype="auto"`."""
     config = model.config
     config.architectures = [model.architecture]
-    setattr(config, "dtype" if "dtype" in config.to_dict() else "torch_dtype", dtype)
-    return config.to_json_string(use_diff=True)
+    data = json.loads(config.to_json_string(use_diff=True))
+    data["dtype"] = data["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
