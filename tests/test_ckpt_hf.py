@@ -328,6 +328,14 @@ def _edit_weight_map(edit):
     return apply
 
 
+def _set_config(**values):
+    def edit(path: Path):
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **values}))
+
+    return edit
+
+
 def _int8(path: Path):
     tensors = load_file(path / "model.safetensors")
     tensors["model.norm.weight"] = torch.ones(32, dtype=torch.int8)
@@ -348,6 +356,7 @@ IMPORT_ERRORS = {
         lambda p: (p / "config.json").write_text('{"model_type": "no-such-model"}'),
         "no-such-model",
     ),
+    "a config declaring a billion layers": ("llama untied", _set_config(num_hidden_layers=10**9), "1000000000 decoder"),
     "no weights": ("llama untied", lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
     "a weight missing": ("llama untied", _drop("model.layers.1.mlp.up_proj.weight"), "'model.layers.1.mlp.up_proj"),
     "an extra weight": ("llama untied", _add("model.layers.0.extra.weight", (3, 3)), "'model.layers.0.extra.weight'"),
@@ -431,6 +440,15 @@ def test_export_hf_refuses_a_record_that_does_not_match_the_weights(tmp_path):
         with pytest.raises(CheckpointError, match="does not hold the") as err:
             export(tmp_path / name, tmp_path / f"{name}-out", format="hf")
         assert "--format megatron" in str(err.value) and not (tmp_path / f"{name}-out").exists()
+
+
+def test_export_refuses_a_record_declaring_more_layers_than_the_weights_hold(hf_dirs, tmp_path):
+    """A (resealed) record claiming a billion layers is refused before transformers builds anything."""
+    import_hf(hf_dirs["llama untied"], tmp_path / "ckpt", LayoutConfig(world_size=2))
+    edit_index(tmp_path / "ckpt", lambda data: data["model"]["config"].update(num_hidden_layers=10**9))
+    with pytest.raises(CheckpointError, match="declares 1000000000 decoder layers, but the weights hold tensors of 2"):
+        export(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def _one_paragraph(output: str, prefix: str, words: str) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import model_order
-from hfsdp.ckpt.hf_model import Skeleton, skeleton
+from hfsdp.ckpt.hf_model import Skeleton, check_layer_count, skeleton
 from hfsdp.ckpt.index import TRANSFORMERS, CheckpointIndex
 
 NO_RECORD = (
@@ -57,7 +57,7 @@ def hf_plan(index: CheckpointIndex, src_dir: Path) -> tuple[Skeleton, list[Mappe
         mapped = [Mapped(name, shape, name, ((0, math.prod(shape)),)) for name, shape in saved]
     else:
         config, mapped = _megatron_plan(index, src_dir, dict(saved))
-    model = skeleton(config, f"the model record of {src_dir}")
+    model = skeleton(config, f"the model record of {src_dir}", [m.name for m in mapped])
     _check_same(src_dir, model, {m.name: m.shape for m in mapped})
     position = {name: i for i, name in enumerate(model.order)}
     return model, sorted(mapped, key=lambda m: position[m.name])
@@ -66,6 +66,7 @@ def hf_plan(index: CheckpointIndex, src_dir: Path) -> tuple[Skeleton, list[Mappe
 def _megatron_plan(index, src_dir: Path, saved: dict[str, tuple[int, ...]]):
     from hfsdp.core.megatron.hf_adapter import UnmappableModel, llama_mapping
 
+    check_layer_count(index.model["config"].get("num_layers"), saved, f"the model record of {src_dir}")
     try:
         mapping = llama_mapping(index.model["config"])
     except UnmappableModel as err:

@@ -23,6 +23,8 @@ transformers is imported only here (through `hfsdp.core.hf`), on first use.
 from __future__ import annotations
 
 import contextlib
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +51,16 @@ class Skeleton:
         return {name: shapes[name] for name in self.order}
 
 
-def skeleton(config_dict: dict[str, Any], source: str, compute_dtype: str = "float32") -> Skeleton:
+def skeleton(
+    config_dict: dict[str, Any], source: str, names: Iterable[str], compute_dtype: str = "float32"
+) -> Skeleton:
     """The skeleton of the causal LM that `config_dict` (a config.json's contents) describes; `compute_dtype` is
-    the dtype the groups declare (the "model" kind's)."""
+    the dtype the groups declare (the "model" kind's). `names` are the tensor names the weights hold: a config
+    declaring more decoder layers than they have weights for is refused before anything is built (a meta model
+    costs no memory, but building a billion layers would still take forever)."""
     from hfsdp.core.hf import HFModelError, build_causal_lm, config_from_dict, decoder_layers
+
+    check_layer_count(config_dict.get("num_hidden_layers"), names, source)
 
     try:
         with quiet_transformers():
@@ -86,6 +94,22 @@ def skeleton(config_dict: dict[str, Any], source: str, compute_dtype: str = "flo
         else:
             unsharded[name] = TensorEntry(tuple(value.shape), dtype_name(value.dtype))
     return Skeleton(config, type(model).__name__, groups, parameters, unsharded, aliases, order)
+
+
+#: A decoder layer's index in a parameter name: `model.layers.3.mlp...` (transformers), `decoder.layers.3...`
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(declared: Any, names: Iterable[str], source: str) -> None:
+    """Refuse a model config that declares more layers than the weights hold (CheckpointError)."""
+    if isinstance(declared, bool) or not isinstance(declared, int):
+        return  # transformers validates the config itself
+    held = {match.group(1) for name in names if (match := LAYER.search(name))}
+    if declared > len(held):
+        raise CheckpointError(
+            f"{source} declares {declared} decoder layers, but the weights hold tensors of {len(held)}: the config "
+            "and the weights belong to different models. Nothing was written."
+        )
 
 
 @contextlib.contextmanager

@@ -75,7 +75,7 @@ def import_hf(
     check_apart([src], dst, "import")
     ensure_absent(dst, "import")
     hf = read_hf_dir(src)
-    model = skeleton(hf.config, str(src / "config.json"), compute_dtype)
+    model = skeleton(hf.config, str(src / "config.json"), hf.tensors, compute_dtype)
     _check_tensors(hf, model)
     record = checked_record({"format": TRANSFORMERS, "config": model.config.to_dict()})
     dtypes = {
@@ -120,8 +120,9 @@ def _check_tensors(hf: HFDir, model: Skeleton) -> None:
     expected = model.shapes()
     what = f"the {model.architecture} its config.json describes"
     fix = (
-        "The weights belong to another model or another transformers release, or the directory is incomplete; "
-        "pass the directory save_pretrained wrote for this config.json."
+        "The weights belong to another model, the directory is incomplete, or transformers renames these weights "
+        "while loading (some MoE families, legacy names), which an import does not do; pass a complete directory "
+        "whose files use the model's own parameter names."
     )
     missing = [name for name in expected if name not in hf.tensors]
     if missing:
