@@ -153,6 +153,16 @@ def test_imported_index_is_step_0_weights_only_with_the_models_groups(hf_dirs, t
     assert "lm_head.weight" not in tied.order and tied.model["config"]["tie_word_embeddings"] is True
 
 
+def test_import_and_export_leave_the_callers_rng_alone(hf_dirs, tmp_path):
+    """Building the meta model seeds torch's generator; the caller's state is restored."""
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    import_hf(hf_dirs["llama untied"], tmp_path / "ckpt", LayoutConfig(world_size=2))
+    export(tmp_path / "ckpt", tmp_path / "out")
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_bf16_files_become_exact_fp32_main_weights(hf_dirs, tmp_path):
     """Casting bf16 to fp32 is exact: the main weights equal the file's tensors."""
     from hfsdp.ckpt.reader import CheckpointReader

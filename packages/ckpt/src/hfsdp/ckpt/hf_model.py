@@ -28,6 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import GroupSpec, TensorEntry
 from hfsdp.ckpt.writer import dtype_name
@@ -63,7 +65,8 @@ def skeleton(
     check_layer_count(config_dict.get("num_hidden_layers"), names, source)
 
     try:
-        with quiet_transformers():
+        # build_causal_lm seeds torch's global generator: keep the caller's RNG state as it was.
+        with quiet_transformers(), torch.random.fork_rng(devices=[]):
             config = config_from_dict(config_dict, source)
             model = build_causal_lm(config, device="meta")
     except HFModelError as err:
