@@ -1,7 +1,8 @@
 """hfsdp checkpoints: plain safetensors files plus one JSON index, resharded between any two layouts.
 
 Online (collective): `save_checkpoint`, `load_checkpoint` (any layout: reshard on
-load). Offline (one process): `reshard`, `export`, `verify`, `inspect`,
+load). Offline (one process): `reshard`, `export` (consolidated or Hugging Face),
+`import_hf` (a Hugging Face directory as a checkpoint), `verify`, `inspect`,
 `write_from_tensors`. Every failure is a `CheckpointError` whose message names
 the file and the fix. The format is described in docs/checkpoints.md.
 
@@ -24,6 +25,7 @@ from hfsdp.ckpt.verify import inspect, verify
 #: submodule import can never shadow the function on the package).
 _LAZY = {
     "export": "hfsdp.ckpt.exporting",
+    "import_hf": "hfsdp.ckpt.importing",
     "load_checkpoint": "hfsdp.ckpt.load",
     "reshard": "hfsdp.ckpt.resharding",
     "save_checkpoint": "hfsdp.ckpt.save",
@@ -48,6 +50,7 @@ __all__ = [
     "CheckpointIndex",
     "GroupSpec",
     "export",
+    "import_hf",
     "inspect",
     "load_checkpoint",
     "read_index",

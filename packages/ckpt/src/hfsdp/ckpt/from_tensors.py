@@ -17,6 +17,7 @@ from hfsdp.ckpt.build import MemorySource, write_layout
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.index import MAIN, UNSHARDED, CheckpointIndex, GroupSpec, TensorEntry, meshes_of
 from hfsdp.ckpt.index_file import write_index
+from hfsdp.ckpt.model_record import checked_record
 from hfsdp.ckpt.staging import ensure_absent, staged_dir
 from hfsdp.ckpt.writer import dtype_name
 from hfsdp.core.config import LayoutConfig
@@ -33,6 +34,7 @@ def write_from_tensors(
     optimizer: dict[str, Any] | None = None,
     unsharded: dict[str, torch.Tensor] | None = None,
     order: list[str] | None = None,
+    model_record: dict[str, Any] | None = None,
     io_threads: int = 4,
 ) -> Path:
     """Write `tensors` (kind -> global name -> full tensor) as the checkpoint directory `dst` of layout `cfg`.
@@ -41,9 +43,11 @@ def write_from_tensors(
     `optimizer` the index's optimizer record ({"type", "step_count", "hyper",
     "states"}), or None for weights only; `unsharded` the module's tensors the
     engine does not shard (persistent buffers, frozen parameters) by global
-    name; `order` every global name in the consolidated model's state-dict order.
+    name; `order` every global name in the consolidated model's state-dict order;
+    `model_record` the model the weights belong to (see `model_record.py`).
     """
     dst = Path(dst)
+    record = checked_record(model_record)
     ensure_absent(dst, "writing a checkpoint")
     shapes = {name: shape for g in groups for name, shape in g.members}
     for kind, entries in tensors.items():
@@ -76,6 +80,7 @@ def write_from_tensors(
             files=files,
             order=list(order or []),
             unsharded=written_unsharded,
+            model=record,
         )
         write_index(tmp, index)
     return dst

@@ -40,6 +40,11 @@ class HeaderEntry:
 
 def read_header(path: Path) -> dict[str, HeaderEntry]:
     """The tensors of the safetensors file at `path`, by key; CheckpointError naming the file if it is not valid."""
+    return read_header_at(path)[0]
+
+
+def read_header_at(path: Path) -> tuple[dict[str, HeaderEntry], int]:
+    """`read_header`, and the file offset of the data section (each entry's span is relative to it)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -60,7 +65,7 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
         header = loads(raw, max_depth=4)
     except JsonError as err:
         raise _invalid(path, f"its header is not valid: {err}") from None
-    return _entries(path, header, size - 8 - length)
+    return _entries(path, header, size - 8 - length), 8 + length
 
 
 def _entries(path: Path, header: Any, data_bytes: int) -> dict[str, HeaderEntry]:

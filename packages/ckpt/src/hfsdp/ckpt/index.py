@@ -31,6 +31,10 @@ INDEX_NAME = "index.json"
 MODEL, MAIN = "model", "main"
 #: The module's tensors the engine does not shard (persistent buffers, frozen parameters), stored whole.
 UNSHARDED = "unsharded"
+#: The model records an index may carry: a transformers config (`config.to_dict()`), or a megatron-core GPT's
+#: `GPTShape.record()`.
+TRANSFORMERS, MEGATRON_GPT = "transformers", "megatron-gpt"
+MODEL_FORMATS = (TRANSFORMERS, MEGATRON_GPT)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class CheckpointIndex:
     rng: dict[str, dict[str, Any]] = field(default_factory=dict)  # str(rank) -> {"file", "keys", "python"}
     order: list[str] = field(default_factory=list)  # global names in the state-dict order of the ep = 1 model
     unsharded: dict[str, TensorEntry] = field(default_factory=dict)  # global name -> whole tensor, one piece
+    #: What model the weights belong to, {"format": "transformers" | "megatron-gpt", "config": {...}}, or None
+    #: (older checkpoints, models of neither kind); `model_record.py` says what export makes of it.
+    model: dict[str, Any] | None = None
     version: int = VERSION  # the format version it was read with; always VERSION when written
 
     def entries(self, kind: str) -> dict[str, TensorEntry]:
@@ -114,7 +121,7 @@ class CheckpointIndex:
         return LayoutConfig(**self.layout)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT,
             "version": VERSION,
             "step": self.step,
@@ -138,6 +145,9 @@ class CheckpointIndex:
             "unsharded": _entries_json(self.unsharded),
             "files": {name: {"checksum": f.checksum, "bytes": f.bytes} for name, f in self.files.items()},
         }
+        if self.model is not None:  # optional: an index without it is what earlier releases wrote and read
+            out["model"] = self.model
+        return out
 
 
 def _entries_json(entries: dict[str, TensorEntry]) -> dict[str, Any]:

@@ -62,12 +62,18 @@ def unsharded_state(model) -> dict[str, torch.Tensor]:
 
 
 def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
-    """local state-dict name -> (global name, tensor) of every unsharded tensor."""
+    """local state-dict name -> (global name, tensor) of every unsharded tensor.
+
+    A tied parameter (a causal LM's `lm_head.weight` that is `embed_tokens.weight`)
+    is one entry of the state dict per name but one sharded parameter, held
+    under its first name: its other names are aliases, not tensors of their own.
+    """
     sharded = {s.name for g in model.groups for s in g.slots}
+    sharded_ids = {id(s.param) for g in model.groups for s in g.slots}
     naming = model.expert_naming
     out = {}
     for name, value in model.module.state_dict(keep_vars=True).items():
-        if name in sharded or not isinstance(value, torch.Tensor):
+        if name in sharded or not isinstance(value, torch.Tensor) or id(value) in sharded_ids:
             continue
         out[name] = (naming.to_global(name) if naming is not None else name, value)
     return out

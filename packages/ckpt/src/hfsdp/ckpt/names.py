@@ -28,7 +28,7 @@ def plain_name_problem(name: str) -> str | None:
     if name in (".", ".."):
         return "names a directory, not a file inside the checkpoint"
     if "/" in name or "\\" in name or "\0" in name:
-        return "contains a path separator, so it would leave the checkpoint directory"
+        return "contains a path separator, so it would leave its directory"
     if not name.isprintable():
         return "contains non-printable characters"
     if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:

@@ -93,6 +93,7 @@ def reshard(
             rng=dict(index.rng) if index.layout["world_size"] == target.world_size else {},
             order=list(index.order),
             unsharded=unsharded,
+            model=index.model,
         )
         write_index(tmp, out)
     total = sum(f.bytes for f in files.values())

@@ -38,6 +38,7 @@ from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import canonical_groups, merged_order
 from hfsdp.ckpt.index import MAIN, MODEL, CheckpointIndex, TensorEntry, meshes_of
 from hfsdp.ckpt.index_file import write_index
+from hfsdp.ckpt.model_record import checked_record
 from hfsdp.ckpt.model_state import local_groups, local_order, piece_tensors, unsharded_state
 from hfsdp.ckpt.names import entry_kind
 from hfsdp.ckpt.pieces import file_name, plan_writes, unsharded_owner
@@ -51,16 +52,28 @@ LEFTOVERS = staging_pattern(r"(?:step-[0-9]+(?:-replaced)?|latest)")
 
 
 def save_checkpoint(
-    root: str | Path, model, optimizer=None, *, step: int, extra: dict[str, Any] | None = None, save_rng: bool = True
+    root: str | Path,
+    model,
+    optimizer=None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    save_rng: bool = True,
+    model_record: dict[str, Any] | None = None,
 ) -> Path:
     """Save `model` (and `optimizer`) as `root/step-{step}` and point `root/latest` at it; collective.
 
     `extra` (JSON-serialisable: data position, scheduler state, ...) comes back
-    from `load_checkpoint`. Returns the checkpoint directory on every rank.
+    from `load_checkpoint`. `model_record` says which model the weights are
+    ({"format": "transformers", "config": hf_config.to_dict()} or {"format":
+    "megatron-gpt", "config": shape.record()}), so that `export` can write a
+    Hugging Face directory (`model_record.py`). Returns the checkpoint
+    directory on every rank.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
     agree(lambda: _check_step(step))
+    record = agree(lambda: checked_record(model_record))
     final = root / step_dir_name(step)
     module_tensors = unsharded_state(model)
     mine = agree(
@@ -77,8 +90,8 @@ def save_checkpoint(
     order = merged_order([reports[e][1] for e in range(model.config.ep)])
     unsharded = agree(lambda: _unsharded_specs(model.config, [r[2] for r in reports]))
     plan = plan_writes(model.config, groups)
-    record = agree(lambda: optim_state.merge_reports([r[3] for r in reports]))
-    kinds = [MODEL, MAIN, *(record["states"] if record else [])]
+    optim_record = agree(lambda: optim_state.merge_reports([r[3] for r in reports]))
+    kinds = [MODEL, MAIN, *(optim_record["states"] if optim_record else [])]
     dtypes = _dtypes(groups, optim_state.state_dtypes([r[3] for r in reports]))
 
     stage = _make_staging(root, final, step) if rank == 0 else None
@@ -109,12 +122,13 @@ def save_checkpoint(
                     layout=model.config.to_dict(),
                     meshes=meshes_of(model.config),
                     extra=dict(extra or {}),
-                    optimizer=record,
+                    optimizer=optim_record,
                     groups=groups,
                     tensors={},
                     files={},
                     order=order,
                     unsharded=index_unsharded(model.config, unsharded),
+                    model=record,
                 )
                 status[0] = _publish(root, tmp, final, index, (plan, kinds, dtypes), results)
             except Exception as err:  # never leave the other ranks waiting for the broadcast

@@ -25,7 +25,9 @@ from hfsdp.ckpt.checksum import UnknownChecksum, split
 from hfsdp.ckpt.dtypes import DTYPES
 from hfsdp.ckpt.index import (
     FORMAT,
+    MODEL_FORMATS,
     READABLE_VERSIONS,
+    TRANSFORMERS,
     UNSHARDED,
     CheckpointIndex,
     FileEntry,
@@ -46,9 +48,13 @@ HYPER_PARAMS = ("lr", "betas", "eps", "weight_decay", "momentum")
 #: RNG states kept as tensors in a rank's file.
 RNG_KEYS = ("rng/torch_cpu", "rng/torch_cuda")
 MT_WORDS = 624  # the Mersenne Twister state of Python's and NumPy's generators
+#: A model record's config: at most this many values (a transformers config has ~50, a long id2label some
+#: thousands), each string at most MAX_RECORD_TEXT characters.
+MAX_RECORD_ITEMS = 1 << 16
+MAX_RECORD_TEXT = 1 << 16
 
 TOP_REQUIRED = ("format", "version", "step", "layout", "meshes", "groups", "tensors", "files")
-TOP_OPTIONAL = ("extra", "optimizer", "rng", "order", "unsharded")
+TOP_OPTIONAL = ("extra", "optimizer", "rng", "order", "unsharded", "model")
 
 
 class SchemaError(ValueError):
@@ -100,6 +106,7 @@ def parse_index(data: Any) -> CheckpointIndex:
         rng={_rank(rank): _rng(meta, f"rng[{rank!r}]") for rank, meta in _object(optional("rng", {}), "rng").items()},
         order=[_text(n, f"order[{i}]") for i, n in enumerate(_array(optional("order", []), "order"))],
         unsharded=_entries(optional("unsharded", {}), "unsharded"),
+        model=parse_model_record(top.get("model")),
         version=version,
     )
 
@@ -150,6 +157,43 @@ def _extra(value: Any) -> dict[str, Any]:
     if "step" in extra:
         _int(extra["step"], "extra.step")
     return dict(extra)
+
+
+def parse_model_record(value: Any) -> dict[str, Any] | None:
+    """The model record `{"format", "config"}`: a known format and a bounded JSON object as the config (a
+    transformers config names its `model_type`); None when absent. What the config means is the exporter's
+    business (`model_record.py`): here it is only data that must stay small and plain."""
+    if value is None:
+        return None
+    record = _object(value, "model", ("format", "config"), ())
+    fmt = record["format"]
+    if fmt not in MODEL_FORMATS:
+        raise SchemaError(f"model.format is {_show(fmt)}, where the format has one of {', '.join(MODEL_FORMATS)}")
+    config = _object(record["config"], "model.config")
+    _bounded_tree(config, "model.config")
+    if fmt == TRANSFORMERS:
+        _text(config.get("model_type"), "model.config.model_type", 256)
+    return {"format": fmt, "config": config}
+
+
+def _bounded_tree(value: Any, path: str) -> None:
+    """At most MAX_RECORD_ITEMS values below `value`, strings and keys at most MAX_RECORD_TEXT characters (the
+    JSON reader already made every number finite and bounded the nesting)."""
+    stack, count = [value], 0
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > MAX_RECORD_ITEMS:
+            raise SchemaError(f"{path} holds more than {MAX_RECORD_ITEMS} values")
+        if isinstance(item, str) and len(item) > MAX_RECORD_TEXT:
+            raise SchemaError(f"{path} holds a string of {len(item)} characters, more than {MAX_RECORD_TEXT}")
+        if isinstance(item, dict):
+            long_key = next((k for k in item if len(k) > MAX_RECORD_TEXT), None)
+            if long_key is not None:
+                raise SchemaError(f"{path} holds a key of {len(long_key)} characters, more than {MAX_RECORD_TEXT}")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _optimizer(value: Any, groups: list[GroupSpec]) -> dict[str, Any] | None:

@@ -66,6 +66,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "meshes": index.meshes,
         "optimizer": index.optimizer,
         "extra": index.extra,
+        "model": index.model,
         "kinds": index.kinds,
         "groups": len(index.groups),
         "tensors": tensors,

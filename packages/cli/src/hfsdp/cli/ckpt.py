@@ -1,4 +1,4 @@
-"""`hfsdp ckpt`: reshard, export, inspect and verify checkpoints from the shell.
+"""`hfsdp ckpt`: reshard, import, export, inspect and verify checkpoints from the shell.
 
 Exit codes: 0 done; 1 the target layout is invalid (every problem printed);
 2 the checkpoint or destination is at fault (one paragraph naming the file and
@@ -9,7 +9,7 @@ JSON object on stdout whatever happens: the result with "ok": true, or
 Names and paths read from a checkpoint are data: every text line printed goes
 through `printable`, so an escape sequence in a tensor name shows as `\x1b`
 instead of reaching the terminal. torch is imported only by the commands that
-need it (reshard, export); `hfsdp --help`, inspect and verify stay fast.
+need it (reshard, import, export); `hfsdp --help`, inspect and verify stay fast.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ MIB = 1 << 20
 
 app = typer.Typer(
     name="ckpt",
-    help="Reshard, export, inspect and verify hfsdp checkpoints.",
+    help="Reshard, import, export, inspect and verify hfsdp checkpoints.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -41,6 +41,21 @@ class ExportDtype(StrEnum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+
+
+class ExportFormat(StrEnum):
+    auto = "auto"
+    hf = "hf"
+    megatron = "megatron"
+
+
+class ComputeDtype(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class OutputFormat(StrEnum):
@@ -157,11 +172,59 @@ def reshard(
     )
 
 
-def _report_invalid(err) -> None:
+def _report_invalid(err, command: str = "reshard") -> None:
     console = _console(stderr=True)
-    _say(console, f"hfsdp ckpt reshard: the target layout is invalid ({len(err.problems)} problem(s)):")
+    _say(console, f"hfsdp ckpt {command}: the target layout is invalid ({len(err.problems)} problem(s)):")
     for p in err.problems:
         _say(console, f"  - {p.field}: {p.message}")
+
+
+@app.command("import")
+def import_(
+    src: Annotated[
+        Path, typer.Argument(help="A Hugging Face model directory (save_pretrained: config.json, safetensors).")
+    ],
+    dst: Annotated[Path, typer.Argument(help="New checkpoint directory to write (must not exist).")],
+    world_size: Annotated[int, typer.Option("--world-size", help="World size of the target layout.")],
+    instances: Annotated[int | None, typer.Option(help="Optimizer instances (outer axis size).")] = None,
+    outer: Annotated[str | None, typer.Option(help="Outer sharding strategy.")] = None,
+    inner: Annotated[str | None, typer.Option(help="Inner sharding strategy.")] = None,
+    compute_dtype: Annotated[
+        ComputeDtype, typer.Option("--compute-dtype", help="dtype of the training run's compute weights.")
+    ] = ComputeDtype.fp32,
+    io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
+    memory_budget: Annotated[int, typer.Option("--memory-budget", help="Bytes in flight, in MiB.")] = 256,
+) -> None:
+    """Turn a Hugging Face causal LM directory into an hfsdp checkpoint of any layout (step 0, no optimizer)."""
+    from hfsdp.ckpt import import_hf
+    from hfsdp.core.config import ConfigError, LayoutConfig
+
+    given = {"instances": instances, "outer": outer, "inner": inner}
+    try:
+        target = LayoutConfig(world_size=world_size, **{k: v for k, v in given.items() if v is not None})
+    except ConfigError as err:
+        _report_invalid(err, "import")
+        raise typer.Exit(EXIT_INVALID_LAYOUT) from None
+    bar, update = _progress("import")
+    with bar:
+        result = _guarded(
+            "import",
+            lambda: import_hf(
+                src,
+                dst,
+                target,
+                compute_dtype=COMPUTE_DTYPES[compute_dtype.value],
+                io_threads=io_threads,
+                memory_budget_bytes=memory_budget * MIB,
+                progress=update,
+            ),
+        )
+    _say(
+        _console(),
+        f"Imported {result.tensors} tensors from {src} to {dst} ({target.layout_name}, world {target.world_size}, "
+        f"step 0, no optimizer state): {result.files} files, {result.bytes_written / 1e9:.3f} GB in "
+        f"{result.seconds:.2f} s.",
+    )
 
 
 @app.command()
@@ -169,6 +232,15 @@ def export(
     src: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
     out: Annotated[Path, typer.Argument(help="New directory for the safetensors files (must not exist).")],
     dtype: Annotated[ExportDtype, typer.Option(help="dtype of the exported weights.")] = ExportDtype.bf16,
+    output_format: Annotated[
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="hf: a directory transformers' from_pretrained loads (config.json, transformers names; needs the "
+            "checkpoint's model record). megatron: the consolidated state dict under the model's own names. auto: "
+            "hf when the checkpoint records its model, else megatron.",
+        ),
+    ] = ExportFormat.auto,
     max_shard_size: Annotated[int, typer.Option("--max-shard-size", help="Largest file, in MiB.")] = 5000,
     io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
 ) -> None:
@@ -180,13 +252,20 @@ def export(
         result = _guarded(
             "export",
             lambda: do_export(
-                src, out, dtype.value, max_shard_bytes=max_shard_size * MIB, io_threads=io_threads, progress=update
+                src,
+                out,
+                dtype.value,
+                format=output_format.value,
+                max_shard_bytes=max_shard_size * MIB,
+                io_threads=io_threads,
+                progress=update,
             ),
         )
+    what = "a Hugging Face model directory" if result.format == "hf" else "the consolidated state dict"
     _say(
         _console(),
-        f"Exported {result.tensors} tensors ({dtype.value}) to {out}: {result.files} file(s), "
-        f"{result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s.",
+        f"Exported {result.tensors} tensors ({dtype.value}) as {what} (--format {result.format}) to {out}: "
+        f"{result.files} file(s), {result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s.",
     )
 
 
@@ -210,6 +289,7 @@ def inspect(
 
 def _print_inspect(info: dict[str, Any]) -> None:
     from hfsdp.ckpt.checksum import short
+    from hfsdp.ckpt.model_record import describe
 
     console = _console()
     layout = info["layout"]
@@ -217,6 +297,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
     unsealed = "" if info["index_checksum"] else f" (format version {info['version']}: the index has no checksum)"
     say(f"{info['path']}: step {info['step']}{unsealed}")
     say(f"Layout: {layout['name']}, world size {layout['world_size']}")
+    say(f"Model: {describe(info['model'])}")
     if layout.get("num_moe_experts"):
         say(f"Experts: {layout['num_moe_experts']}, ep {layout['ep']}")
     opt = info["optimizer"]
