@@ -396,11 +396,13 @@ class HfsdpEngine(Engine):
         self.params, self.flops_per_token = flops_per_token(model, shape)
         maybe_compile(args, model)
         mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # Like FSDP2 below, given reshard_after_forward=True for the root too (as torchtitan does).
+        options = {"offload": args.offload, "reshard_root_after_forward": cfg.inner == "optim_grads_params"}
         if args.model == "gpt":
-            self.model = shard_megatron_model(model, cfg, device.type, mp, offload=args.offload)
+            self.model = shard_megatron_model(model, cfg, device.type, mp, **options)
         else:
             meshes = build_meshes(cfg, device.type)
-            self.model = fully_shard(model, cfg, meshes, units=units_of(model), mp=mp, offload=args.offload)
+            self.model = fully_shard(model, cfg, meshes, units=units_of(model), mp=mp, **options)
         self.opt = adamw(args, [p for _, p in self.model.named_main_params()])
         self.label = cfg.layout_name
         self.mesh = tuple(self.model.meshes.dense.mesh_dim_names)

@@ -308,3 +308,48 @@ def test_train_a_hugging_face_model_with_a_schedule_evaluation_and_recompute(tmp
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 7]
     assert records[-1]["eval_loss"] < records[2]["eval_loss"] and records[-1]["loss"] < records[0]["loss"]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-7"
+
+
+def test_hugging_face_in_train_and_out(tmp_path):
+    """The README's flow: a model saved with transformers is imported into a 2x2 HFSDP checkpoint, trained by
+    `hfsdp train --model-config --load` (fresh optimizer at step 0, warmup + cosine, fused AdamW), exported with
+    --format hf and loaded back by transformers with nothing missing: its first loss is the original model's, and
+    the exported model's held-out loss is the run's last eval loss (fp32, rtol 1e-5)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfsdp.core import hf
+    from hfsdp.core.data import SyntheticTokens
+
+    original = hf.build_causal_lm(hf.config_from_dict(LLAMA), seed=7)
+    original.save_pretrained(tmp_path / "hf")
+    hfsdp = [HFSDP, "ckpt"]
+    imported = subprocess.run(
+        [*hfsdp, "import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--world-size", "4", "--instances", "2",
+         "--outer", "optim"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["--model-config", str(tmp_path / "hf" / "config.json"), "--load", str(tmp_path / "imported")]
+    args += ["--nproc", "4", "--instances", "2", "--outer", "optim", "--steps", "4", "--seq-len", "16"]
+    args += ["--lr", "1e-2", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--eval-interval", "4"]
+    result = _run(*args, "--device", "cpu", "--metrics", str(metrics), "--save", str(tmp_path / "trained"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "weights only: the optimizer starts fresh at step 0" in result.stdout
+    records = _records(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    exported = subprocess.run(
+        [*hfsdp, "export", str(tmp_path / "trained"), str(tmp_path / "out"), "--format", "hf", "--dtype", "fp32"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    data = SyntheticTokens(LLAMA["vocab_size"], 16)
+    train, held_out = data.split()
+    with torch.no_grad():
+        first = hf.causal_lm_loss(original, *train.global_batch(0, 16)).item()
+        evaluated = sum(hf.causal_lm_loss(model, *held_out.global_batch(k, 16)).item() for k in range(2)) / 2
+    assert records[0]["loss"] == pytest.approx(first, rel=1e-5)
+    assert records[-1]["eval_loss"] == pytest.approx(evaluated, rel=1e-5)

@@ -118,7 +118,29 @@ def _world4_cases(rank, world):
     out["misuse"] = _misuse(rank, world)
     out["bf16"] = {name: _bf16_step(rank, world, layout) for name, layout in BF16_LAYOUTS.items()}
     out["offload"] = _offloaded(rank, world)
+    out["root resharded"] = _root_resharded(rank, world)
     return out
+
+
+def _root_resharded(rank, world):
+    """HFSDP 2x2 with reshard_root_after_forward: after forward the root holds no gathered parameters (its next
+    gather is for backward), and training matches the reference."""
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard
+
+    from toy_models import microbatch
+
+    cfg = LayoutConfig(world_size=world, outer="optim", instances=2)
+    model = make_toy()
+    sharded = fully_shard(
+        model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), reshard_root_after_forward=True
+    )
+    root = sharded.units[-1].groups[0]
+    sharded(*microbatch(0, 0, 1, rank, world))  # forward only: the root keeps nothing gathered
+    held_after_forward = root.unsharded.untyped_storage().nbytes()
+    sharded.zero_grad()
+    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    losses, norms = _train(sharded, opt, rank, world, clip=CLIP)
+    return {"held after forward": held_after_forward, "losses": losses, "norms": norms, "pieces": _pieces(sharded)}
 
 
 def _world6_cases(rank, world):
@@ -571,3 +593,12 @@ def test_offloaded_bf16_step_keeps_fp32_main_weights(world4):
         torch.testing.assert_close(got["before"][n], ref_before[n], rtol=0, atol=0, msg=n)
         torch.testing.assert_close(got["grads"][n], ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)
         torch.testing.assert_close(got["after"][n], ref_after[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_a_root_resharded_after_forward_frees_its_parameters_and_trains_the_same(world4):
+    """With reshard_root_after_forward the root's gathered parameters are freed after forward (as every unit's
+    are), and SGD with clipping still gives the reference's losses, norms and parameters."""
+    layout = ("optim", "optim_grads_params", 2)
+    assert all(r["root resharded"]["held after forward"] == 0 for r in world4)
+    results = [{(layout, "sgd"): r["root resharded"]} for r in world4]
+    _check_against_reference(results, layout, "sgd")

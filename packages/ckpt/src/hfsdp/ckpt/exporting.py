@@ -13,9 +13,11 @@ formats:
   model record (`hf_export.py`: identity for a transformers model, the Llama
   adapter for a Llama-style megatron GPT).
 
-`auto` (the default) is `hf` when the checkpoint records its model and
-`megatron` when it does not (the only choice there, and what earlier releases
-wrote). Weights come from the fp32 main weights, cast to the requested dtype
+`auto` (the default) is `hf` when the checkpoint records a model that maps to a
+transformers architecture, and `megatron` when it records none, or a megatron-core
+GPT no transformers architecture matches (a LayerNorm/GELU GPT); the result says
+which it wrote and why. An explicit `hf` that cannot be written is an error.
+Weights come from the fp32 main weights, cast to the requested dtype
 chunk by chunk, so memory stays within the budget however large a tensor is
 (an HF tensor split off a fused one, such as q_proj of QKV, is read as flat
 ranges of it); buffers and frozen parameters from their own whole copy
@@ -65,6 +67,7 @@ class ExportResult:
     tensors: int
     seconds: float
     format: str  # "hf" or "megatron": what was written ("auto" resolved)
+    note: str | None = None  # why "auto" wrote megatron though the checkpoint records its model
 
 
 def export(
@@ -89,8 +92,9 @@ def export(
     check_apart([Path(src), src_dir], out, "export")
     ensure_absent(out, "export")
     index = read_index(src_dir)
+    note = None
     if format == "auto":
-        format = "megatron" if index.model is None else "hf"
+        format, note = _auto_format(index, src_dir)
     config, tensors = _plan(index, src_dir, format, target)
     piece = slice_bytes(memory_budget_bytes, io_threads)
     check_files(src_dir, index, threads=io_threads, chunk=min(8 << 20, piece))
@@ -129,7 +133,22 @@ def export(
         )
         if config is not None:
             _write_synced(tmp / CONFIG_FILE, config)
-    return ExportResult(out, total, len(names), len(tensors), time.perf_counter() - started, format)
+    return ExportResult(out, total, len(names), len(tensors), time.perf_counter() - started, format, note)
+
+
+def _auto_format(index: CheckpointIndex, src_dir: Path) -> tuple[str, str | None]:
+    """hf where the recorded model maps to transformers; megatron (with the reason) for a GPT that does not."""
+    if index.model is None:
+        return "megatron", None
+    if index.model["format"] != "megatron-gpt":
+        return "hf", None
+    from hfsdp.core.megatron.hf_adapter import UnmappableModel, llama_mapping
+
+    try:
+        llama_mapping(index.model["config"])
+    except UnmappableModel as err:
+        return "megatron", str(err).split(", so it is not a Llama")[0].removeprefix("The checkpoint's ")
+    return "hf", None
 
 
 def _plan(index: CheckpointIndex, src_dir: Path, format: str, target: torch.dtype):

@@ -54,7 +54,9 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     units = hf.decoder_layers(model)
     _wrap_units(cfg, units)
     meshes = build_meshes(cfg.layout, device.type)
-    sharded = fully_shard(model, cfg.layout, meshes, units=units, mp=mp, offload=cfg.offload == "optim")
+    # The loss is computed outside the model, on its logits: free the root's parameters while it peaks.
+    options = {"offload": cfg.offload == "optim", "reshard_root_after_forward": True}
+    sharded = fully_shard(model, cfg.layout, meshes, units=units, mp=mp, **options)
     record = {"format": "transformers", "config": config.to_dict()}
     return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record)
 

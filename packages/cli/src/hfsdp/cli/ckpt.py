@@ -265,7 +265,10 @@ def export(
     _say(
         _console(),
         f"Exported {result.tensors} tensors ({dtype.value}) as {what} (--format {result.format}) to {out}: "
-        f"{result.files} file(s), {result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s.",
+        f"{result.files} file(s), {result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s."
+        + (
+            f" (Not --format hf: the {result.note}, which no transformers architecture matches.)" if result.note else ""
+        ),
     )
 
 

@@ -54,4 +54,4 @@ def _help(command) -> str:
 
 app.command("train", help=_help(train))(train)
 app.command("validate-config", help=_help(validate_config))(validate_config)
-app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard and export checkpoints.")
+app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard, import (Hugging Face) and export checkpoints.")

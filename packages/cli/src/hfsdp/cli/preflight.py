@@ -156,6 +156,8 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
     step = int(index.extra.get("step", index.step))
     recorded = index.extra.get(MODEL_KEY)
     saved = dict(recorded) if isinstance(recorded, dict) else _shapes_from_index(index)
+    if index.model is not None and index.model["format"] == "transformers":  # an import, or a save of an HF model
+        saved = {"model_config": {k: index.model["config"].get(k) for k in HF_ARCH_KEYS}}
     saved["num_moe_experts"] = layout.num_moe_experts
     try:
         run = model_settings(cfg)

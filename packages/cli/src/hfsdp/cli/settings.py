@@ -206,8 +206,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--model-config",
         None,
         str,
-        "A Hugging Face config.json (or its directory) of a causal LM (Llama, Qwen2, Mistral, ...): train that model "
-        "instead of the megatron-core GPT; excludes the GPT's model flags.",
+        "A Hugging Face causal LM's config.json (Llama, Qwen2, Mistral, ...) to train instead of the GPT.",
         path,
         key="model.hf_config",
         panel="Model",

@@ -219,7 +219,7 @@ def _save(cfg: TrainConfig, built, opt, step: int, rank: int) -> Path:
         "consumed_samples": step * cfg.layout.global_batch_size,
         MODEL_KEY: model_settings(cfg),
     }
-    path = save_checkpoint(cfg.save, built.sharded, opt, step=step, extra=extra)
+    path = save_checkpoint(cfg.save, built.sharded, opt, step=step, extra=extra, model_record=built.record)
     if rank == 0 and cfg.save_keep:
         from hfsdp.cli.retention import prune
 

@@ -49,6 +49,7 @@ class ShardedModel(nn.Module):
         expert_naming: ExpertNaming | None = None,
         streams=None,
         offload: bool = False,
+        reshard_root_after_forward: bool = False,
     ):
         super().__init__()
         self.module = module
@@ -74,6 +75,7 @@ class ShardedModel(nn.Module):
                     unit_module,
                     groups,
                     is_root=unit_module is module,
+                    reshard_after_forward=unit_module is not module or reshard_root_after_forward,
                     grad_scale=self._grad_scale,
                     is_last_microbatch=lambda: self._is_last,
                     on_backward=self._queue_end_of_backward,
@@ -244,7 +246,11 @@ def fully_shard(
 ) -> ShardedModel:
     """Shard `module` on `meshes`: each of `units` gets its own buffers, the root takes the rest.
 
-    `options` are ShardedModel's: `mp`, `is_expert`, `expert_naming`, `streams`, and `offload` (keep the fp32
-    main weights and the optimizer state in host memory; the optimizer steps there).
+    `options` are ShardedModel's: `mp`, `is_expert`, `expert_naming`, `streams`, `offload` (keep the fp32
+    main weights and the optimizer state in host memory; the optimizer steps there), and
+    `reshard_root_after_forward`. By default the root keeps its parameters from forward through backward, as
+    FSDP2's does by default: when the loss is computed inside the model (a megatron GPT), backward needs them at
+    once. When the loss is computed outside (a transformers model's logits), resharding the root frees its
+    parameters while the loss and its gradient peak, at the price of gathering them again for backward.
     """
     return ShardedModel(module, config, meshes, units, **options)

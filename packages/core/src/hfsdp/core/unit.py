@@ -2,7 +2,7 @@
 
 States of a unit during one microbatch, driven by module and autograd hooks:
 
-    SHARDED --pre-forward--> UNSHARDED --post-forward--> SHARDED (root stays UNSHARDED)
+    SHARDED --pre-forward--> UNSHARDED --post-forward--> SHARDED (the root stays UNSHARDED by default)
             --pre-backward (grad of an output)--> UNSHARDED
             --post-backward (grad of an input, or end of backward)--> grads reduced, SHARDED
 
@@ -40,6 +40,7 @@ class ShardedUnit:
         groups: list[FlatParamGroup],
         *,
         is_root: bool,
+        reshard_after_forward: bool = True,
         grad_scale: Callable[[], float],
         is_last_microbatch: Callable[[], bool],
         on_backward: Callable[[], None],
@@ -47,6 +48,7 @@ class ShardedUnit:
         input_dtype: torch.dtype | None = None,
     ):
         self.module, self.groups, self.is_root = module, groups, is_root
+        self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating inputs are cast to the compute dtype (root only)
         self._grad_scale, self._is_last_microbatch = grad_scale, is_last_microbatch
         self._on_backward, self._on_forward = on_backward, on_forward
@@ -100,7 +102,7 @@ class ShardedUnit:
         return value
 
     def _post_forward(self, module, args, output):
-        if not self.is_root:
+        if self.reshard_after_forward:
             self.reshard()
         outputs = _grad_tensors(output)
         if outputs:
