@@ -6,6 +6,7 @@ assert on the returned values in the parent process, where pytest reports them.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -36,6 +37,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
         raise
     finally:
         if dist.is_initialized():
+            gc.collect()  # gloo's finished collectives sit in reference cycles that can abort interpreter exit
             dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""Real bytes sent and model-state bytes held, against DESIGN.md §4's formulas (plus padding)."""
+"""Real bytes sent and model-state bytes held, against docs/formulas.md's formulas (plus padding)."""
 
 from __future__ import annotations
 
@@ -122,7 +122,8 @@ def _alpha(n: int) -> float:
 
 
 def _expected_inner(name: str, padded: int, root: bool, n: int, m: int, b_p: int = 2, b_g: int = 4) -> float:
-    """DESIGN.md §4's inner-axis bytes for one buffer; the root keeps its parameters through backward (one gather)."""
+    """docs/formulas.md's inner-axis bytes for one buffer; the root keeps its parameters through backward (one
+    gather)."""
     kind = LAYOUTS[name][1]
     if kind == "no_shard":
         return 2 * _alpha(n) * padded * b_g

@@ -16,7 +16,7 @@ S = Strategy
 ALL = list(Strategy)
 R, P, S0 = Replicate(), Partial(), Shard(0)
 
-#: What one axis of each strategy does to (param, grad, optim), written out by hand from DESIGN.md.
+#: What one axis of each strategy does to (param, grad, optim), written out by hand from docs/formulas.md.
 EXPECTED_AXIS = {
     S.NO_SHARD: (R, P, R),
     S.OPTIM: (R, P, S0),
@@ -34,7 +34,7 @@ def hybrid(outer: Strategy, inner: Strategy, world_size: int = 4, instances: int
 
 @pytest.mark.parametrize("strategy", ALL)
 def test_placement_table_row(strategy):
-    """Each strategy's row places param, grad and optimizer state as DESIGN.md says."""
+    """Each strategy's row places param, grad and optimizer state as docs/formulas.md says."""
     row = PLACEMENT_TABLE[strategy]
     assert isinstance(row, AxisPlacements)
     assert (row.param, row.grad, row.optim) == EXPECTED_AXIS[strategy]
@@ -176,7 +176,7 @@ def test_shard_range_of_hfsdp_rank():
     assert mesh.shard_range(State.OPTIM, (1, 0), 12) == (3, 6)
 
 
-# Memory per parameter (DESIGN.md §4) --------------------------------------------------------------
+# Memory per parameter (docs/formulas.md) -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("world_size", "instances"), [(4, 2), (8, 2), (16, 4), (16, 2)])

@@ -11,6 +11,7 @@ step's loss all-reduce, so every rank sees it after the same step and leaves tog
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -38,6 +39,9 @@ def run_training(cfg: TrainConfig) -> dict:
     try:
         return _train(cfg, device, dist.get_rank())
     finally:
+        # torch's gloo keeps finished collectives in reference cycles; freed at interpreter exit they can abort
+        # the process, so they are collected while the process group still lives.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -1,7 +1,7 @@
 """The collectives, alone: every byte hfsdp sends goes through these three functions.
 
 Keeping them in one place lets a `CommLog` count what each rank sends under the
-ring model (DESIGN.md §4), which is how the tests check the communication
+ring model (docs/formulas.md), which is how the tests check the communication
 formulas against real traffic rather than against themselves.
 """
 
