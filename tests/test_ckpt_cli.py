@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import typer
+import torch
 from typer.testing import CliRunner
 
 from hfsdp.ckpt import read_index
@@ -22,10 +22,14 @@ MOE = {"world_size": 4, "instances": 2, "outer": "optim", "ep": 2, "num_moe_expe
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory):
+def written(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli") / "src"
-    synthetic_checkpoint(path, MOE, moe=True)
-    return path
+    return path, synthetic_checkpoint(path, MOE, moe=True)
+
+
+@pytest.fixture(scope="module")
+def src(written):
+    return written[0]
 
 
 def test_reshard_keeps_unspecified_options_and_prints_a_summary(src, tmp_path):
@@ -55,14 +59,23 @@ def test_reshard_requires_the_world_size(src, tmp_path):
     assert result.exit_code != 0 and "world-size" in result.output
 
 
-def test_export_writes_hf_style_files(src, tmp_path):
-    """export --dtype fp32 --max-shard-size writes model-*-of-* files and their index."""
+def test_export_writes_hf_style_files(written, tmp_path):
+    """export --dtype fp32 --max-shard-size writes model-*-of-* files and their index, and every exported tensor
+    is the checkpoint's fp32 main weight (or whole module tensor) of that name, exactly, in its shape."""
+    from safetensors.torch import load_file
+
+    src, tensors = written
     out = tmp_path / "out"
     result = runner.invoke(app, ["export", str(src), str(out), "--dtype", "fp32", "--max-shard-size", "1"])
     assert result.exit_code == 0, result.output
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"].values()) == {p.name for p in out.glob("model-*-of-*.safetensors")}
-    assert "layers.1.local_experts.3.fc2.bias" in index["weight_map"]
+    files = {p.name for p in out.glob("model-*-of-*.safetensors")}
+    assert set(index["weight_map"].values()) == files
+    exported = {name: t for f in files for name, t in load_file(out / f).items()}
+    expected = {**tensors["main"], **tensors["unsharded"]}
+    assert exported.keys() == expected.keys() == index["weight_map"].keys()
+    for name, value in expected.items():
+        assert torch.equal(exported[name], value), name
 
 
 def test_inspect_text_and_json(src):
@@ -76,21 +89,21 @@ def test_inspect_text_and_json(src):
 
 
 def test_verify_reports_an_intact_checkpoint(src):
-    """verify exits 0 and says what it checked."""
+    """verify exits 0 and says what it checked: every file the index lists and all their bytes."""
     result = runner.invoke(app, ["verify", str(src)])
     assert result.exit_code == 0 and "intact" in result.output
+    files = read_index(src).files
+    assert f"{len(files)} files" in result.output
+    assert f"{sum(f.stat().st_size for f in src.glob('*.safetensors')):,} bytes" in result.output
 
 
-def test_the_sub_app_mounts_under_ckpt():
-    """The lead registers the sub-app with add_typer(..., name="ckpt"): the commands answer there."""
-    root = typer.Typer()
-    root.add_typer(app, name="ckpt")
+def test_the_ckpt_commands_answer_under_the_hfsdp_command(src):
+    """`hfsdp ckpt ...` of the installed command's app reaches every sub-command: its help lists them all, and
+    verify through it checks the checkpoint."""
+    from hfsdp.cli.main import app as hfsdp
 
-    @root.command()
-    def other() -> None:
-        """A second command keeps `root` a group, as in hfsdp.cli.main."""
-
-    result = runner.invoke(root, ["ckpt", "--help"])
-    assert result.exit_code == 0
-    for command in ("reshard", "export", "inspect", "verify"):
-        assert command in result.output
+    listing = runner.invoke(hfsdp, ["ckpt", "--help"])
+    assert listing.exit_code == 0
+    assert all(command in listing.output for command in ("reshard", "export", "import", "inspect", "verify"))
+    result = runner.invoke(hfsdp, ["ckpt", "verify", str(src)])
+    assert result.exit_code == 0 and "intact" in result.output

@@ -51,3 +51,12 @@ def test_validate_config_help_lists_the_strategies():
     out = runner.invoke(app, ["validate-config", "--help"], env=WIDE).stdout
     assert all(name in out for name in Strategy.names())
     assert "[default: text]" in out
+
+
+def test_ckpt_reshard_help_lists_the_strategies_and_the_source_defaults():
+    """`hfsdp ckpt reshard --help` names the four strategies and says that an option left out keeps the source's."""
+    out = runner.invoke(app, ["ckpt", "reshard", "--help"], env=WIDE).stdout
+    assert all(name in out for name in Strategy.names())
+    for flag in ("--instances", "--outer", "--inner", "--ep", "--expert-strategy"):
+        line = next(line for line in out.splitlines() if re.match(rf"^\W*{flag}\s", line))
+        assert "the source's" in line, line

@@ -24,8 +24,11 @@ import typer
 from rich.console import Console
 
 from hfsdp.ckpt.text import printable
+from hfsdp.core.strategy import Strategy  # torch-free
 
 EXIT_OK, EXIT_INVALID_LAYOUT, EXIT_CHECKPOINT = 0, 1, 2
+STRATEGIES = ", ".join(Strategy.names())
+SOURCES = "the source's"
 MIB = 1 << 20
 
 app = typer.Typer(
@@ -127,11 +130,20 @@ def reshard(
     src: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
     dst: Annotated[Path, typer.Argument(help="New directory to write (must not exist).")],
     world_size: Annotated[int, typer.Option("--world-size", help="World size of the target layout.")],
-    instances: Annotated[int | None, typer.Option(help="Optimizer instances (outer axis size).")] = None,
-    outer: Annotated[str | None, typer.Option(help="Outer sharding strategy.")] = None,
-    inner: Annotated[str | None, typer.Option(help="Inner sharding strategy.")] = None,
-    ep: Annotated[int | None, typer.Option(help="Expert-parallel size.")] = None,
-    expert_strategy: Annotated[str | None, typer.Option("--expert-strategy", help="Expert sharding strategy.")] = None,
+    instances: Annotated[
+        int | None, typer.Option(help="Optimizer instances (outer axis size).", show_default=SOURCES)
+    ] = None,
+    outer: Annotated[
+        str | None, typer.Option(help=f"Outer sharding strategy: {STRATEGIES}.", show_default=SOURCES)
+    ] = None,
+    inner: Annotated[
+        str | None, typer.Option(help=f"Inner sharding strategy: {STRATEGIES}.", show_default=SOURCES)
+    ] = None,
+    ep: Annotated[int | None, typer.Option(help="Expert-parallel size.", show_default=SOURCES)] = None,
+    expert_strategy: Annotated[
+        str | None,
+        typer.Option("--expert-strategy", help=f"Expert sharding strategy: {STRATEGIES}.", show_default=SOURCES),
+    ] = None,
     io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
     memory_budget: Annotated[int, typer.Option("--memory-budget", help="Bytes in flight, in MiB.")] = 256,
 ) -> None:
