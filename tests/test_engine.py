@@ -53,8 +53,8 @@ def _shard(world, layout, mp=None, offload=False):
     return fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, offload=offload)
 
 
-def _train(sharded, opt, rank, world, steps=STEPS, clip=None, schedule=None):
-    """Train `steps` steps of MICROBATCHES; return the global losses and the global gradient norms."""
+def _train(sharded, opt, rank, world, steps=STEPS, clip=None, schedule=None, start=0):
+    """Train `steps` steps of MICROBATCHES from step `start`; return the global losses and gradient norms."""
     import torch.distributed as dist
 
     from hfsdp.core import clip_grad_norm_, global_grad_norm
@@ -62,7 +62,7 @@ def _train(sharded, opt, rank, world, steps=STEPS, clip=None, schedule=None):
     from toy_models import microbatch
 
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(start, start + steps):
         total = torch.zeros(())
         for index in range(MICROBATCHES):
             sharded.set_microbatch(index, MICROBATCHES)
@@ -111,8 +111,9 @@ def _layout_runs(rank, world, layouts):
     return out
 
 
-def _world4_cases(rank, world):
+def _world4_cases(rank, world, root):
     out = _layout_runs(rank, world, LAYOUTS_4)
+    out["sgd saved"] = _sgd_save(rank, world, root)
     out["groups and schedule"] = _groups_and_schedule(rank, world)
     out["adafactor"] = _adafactor(rank, world)
     out["misuse"] = _misuse(rank, world)
@@ -143,20 +144,48 @@ def _root_resharded(rank, world):
     return {"held after forward": held_after_forward, "losses": losses, "norms": norms, "pieces": _pieces(sharded)}
 
 
-def _world6_cases(rank, world):
+def _world6_cases(rank, world, root):
     out = _layout_runs(rank, world, LAYOUTS_6)
+    out["sgd resumed"] = _sgd_resume(rank, world, root)
     out["moe"] = {name: _moe_run(rank, world, layout) for name, layout in MOE_LAYOUTS.items()}
     return out
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_distributed(_world4_cases, 4)
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine-checkpoints")
 
 
 @pytest.fixture(scope="module")
-def world6():
-    return run_distributed(_world6_cases, 6)
+def world4(checkpoints):
+    return run_distributed(_world4_cases, 4, str(checkpoints / "sgd"))
+
+
+@pytest.fixture(scope="module")
+def world6(checkpoints, world4):  # after world4: it resumes world4's checkpoint
+    return run_distributed(_world6_cases, 6, str(checkpoints / "sgd"))
+
+
+def _sgd_save(rank, world, root):
+    """torch SGD with momentum on HFSDP 2x2: 2 steps, then a checkpoint (main weights and momentum buffers)."""
+    from hfsdp.ckpt import save_checkpoint
+
+    sharded = _shard(world, ("optim", "optim_grads_params", 2))
+    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    losses, _ = _train(sharded, opt, rank, world, steps=2, clip=CLIP)
+    save_checkpoint(root, sharded, opt, step=2)
+    return losses
+
+
+def _sgd_resume(rank, world, root):
+    """The SGD checkpoint of 4 ranks loaded into HSDP 3x2 on 6 (reshard on load), then one more step."""
+    from hfsdp.ckpt import load_checkpoint
+
+    sharded = _shard(world, ("no_shard", "optim_grads_params", 3))
+    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    step = load_checkpoint(root, sharded, opt)["step"]
+    losses, norms = _train(sharded, opt, rank, world, steps=1, clip=CLIP, start=step)
+    return {"step": step, "losses": losses, "norms": norms, "pieces": _pieces(sharded)}
 
 
 def _assemble(ranks: list[list[tuple[str, int, int, torch.Tensor]]], shapes: dict) -> dict[str, torch.Tensor]:
@@ -602,3 +631,17 @@ def test_a_root_resharded_after_forward_frees_its_parameters_and_trains_the_same
     assert all(r["root resharded"]["held after forward"] == 0 for r in world4)
     results = [{(layout, "sgd"): r["root resharded"]} for r in world4]
     _check_against_reference(results, layout, "sgd")
+
+
+def test_sgd_momentum_checkpoint_reshards_onto_another_world(world4, world6):
+    """torch SGD's momentum buffers are checkpointed piece by piece: 2 steps on HFSDP 2x2 (4 ranks), loaded into
+    HSDP 3x2 (6 ranks), one more step: the reference's third loss, clipped norm and parameters."""
+    ref_losses, ref_params, ref_norms = reference_run(STEPS, "sgd", clip=CLIP)
+    assert world4[0]["sgd saved"] == pytest.approx(ref_losses[:2], rel=1e-5)
+    case = world6[0]["sgd resumed"]
+    assert case["step"] == 2
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses[2:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms[2:]), rtol=1e-5, atol=0)
+    params = _assemble([r["sgd resumed"]["pieces"] for r in world6], {n: p.shape for n, p in ref_params.items()})
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -45,6 +45,42 @@ def _optimizer_and_schedule(groups):
     return opt, scheduler(opt, Schedule(3e-3, 3e-4, warmup_iters=2, decay_iters=STEPS, style="cosine"))
 
 
+#: The other families --model-config promises: their own configs, trained on ZeRO-3 1x2 against the unsharded model.
+FAMILIES = {
+    "qwen2": {**CONFIG, "model_type": "qwen2", "tie_word_embeddings": False},
+    "mistral": {**CONFIG, "model_type": "mistral", "sliding_window": None},
+}
+
+
+def _family_runs(rank, world):
+    import torch.distributed as dist
+
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard, hf, param_groups
+    from hfsdp.core.data import microbatch
+
+    out = {}
+    for family, config in FAMILIES.items():
+        model = hf.build_causal_lm(hf.config_from_dict(config), seed=0)
+        cfg = LayoutConfig(world_size=world)
+        sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=hf.decoder_layers(model))
+        opt, schedule = _optimizer_and_schedule(param_groups(sharded, weight_decay=0.1))
+        losses = []
+        for step in range(2):
+            total = torch.zeros(())
+            for index in range(MICROBATCHES):
+                sharded.set_microbatch(index, MICROBATCHES)
+                loss = hf.causal_lm_loss(sharded, *microbatch(_batch(step), index, MICROBATCHES, rank, world))
+                loss.backward()
+                total += loss.detach()
+            dist.all_reduce(total)
+            losses.append(total.item() / (MICROBATCHES * world))
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+        out[family] = {"losses": losses, "class": type(model).__name__}
+    return out
+
+
 def _variants(rank, world):
     import torch.distributed as dist
 
@@ -82,6 +118,7 @@ def _variants(rank, world):
             "pieces": pieces,
             "tied": model.lm_head.weight is model.model.embed_tokens.weight,
         }
+    out["families"] = _family_runs(rank, world)
     return out
 
 
@@ -128,3 +165,30 @@ def test_hugging_face_llama_matches_the_unsharded_model(sharded_runs, reference,
             got[n][start:stop] = values
     for n, value in ref_params.items():
         torch.testing.assert_close(got[n].view(value.shape), value, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_qwen2_and_mistral_models_match_the_unsharded_model(sharded_runs, family):
+    """A Qwen2 (biased q/k/v, untied) and a Mistral causal LM from their configs train on ZeRO-3 1x2 to the
+    unsharded model's losses under the same optimizer, groups and schedule."""
+    from hfsdp.core import hf
+    from hfsdp.core.main_params import megatron_no_decay
+
+    model = hf.build_causal_lm(hf.config_from_dict(FAMILIES[family]), seed=0)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not megatron_no_decay(n, p.shape)], "weight_decay": 0.1},
+        {"params": [p for n, p in named if megatron_no_decay(n, p.shape)], "weight_decay": 0.0},
+    ]
+    opt, schedule = _optimizer_and_schedule(groups)
+    losses = []
+    for step in range(2):
+        loss = hf.causal_lm_loss(model, *_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        losses.append(loss.item())
+    case = sharded_runs[0]["families"][family]
+    assert case["class"] == type(model).__name__ and family in case["class"].lower()
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
