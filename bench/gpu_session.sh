@@ -8,6 +8,8 @@
 #   gpt2       the GPT on 2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1
 #   llama2     the Llama on 2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1
 #   offload1   the Llama with the optimizer in host memory, 1 GPU: hfsdp offload vs FSDP2 CPUOffloadPolicy
+#   e2e        hfsdp train on the GPU: a Hugging Face model (bf16, --offload optim, schedule, eval) saved at step 3,
+#              resumed to step 6 and compared with the uninterrupted run; then exported and loaded by transformers
 # EXTRA: what gpt1 and llama1 add to the timing (default: --profile --memory-trace).
 # Usage (repository root on the GPU machine): bash bench/gpu_session.sh OUT_DIR [PHASES]
 set -u
@@ -42,5 +44,6 @@ for phase in $phases; do
     offload1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $LLAMA --dtype bf16 \
             --seq-len 2048 --micro-batch-size 4 --vocab 32000 --steps 4 --warmup 1 --offload --layouts zero3:1x1 \
             --engines hfsdp,fsdp2 --out "$out/offload1.json" >"$out/offload1.log" 2>&1; show "$out/offload1.log" ;;
+    e2e) bash bench/gpu_e2e.sh "$out" ;;
   esac
 done

@@ -168,7 +168,7 @@ def test_save_reshard_and_resume_through_the_cli(tmp_path):
     override = tmp_path / "override.jsonl"
     third = _run(*args[:-1], "3", "--load", str(tmp_path / "ck1"), "--lr", "1e-4", "--metrics", str(override))
     assert third.returncode == 0, third.stderr[-2000:]
-    assert "lr 0.0001 from --lr, not the checkpoint's 0.003" in third.stdout
+    assert "--lr 0.0001 instead of the checkpoint's 0.003" in third.stdout
     assert [r["lr"] for r in _records(override)] == [pytest.approx(1e-4)]
 
 

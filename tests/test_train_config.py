@@ -252,3 +252,24 @@ def test_schedule_recompute_and_eval_keys_in_a_config_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         build_file_config(str(_write(tmp_path, "bad.json", data)))
     assert _fields(err.value) == {"train.recompute"}
+
+
+def test_a_resume_continues_the_checkpoints_schedule_unless_told_otherwise():
+    """A resumed run follows the learning-rate schedule its checkpoint recorded (as Megatron does: a longer --steps
+    does not stretch the decay); a schedule setting the user gives wins, and the resume says so."""
+    from hfsdp.cli.train_loop import schedule_settings
+
+    saved = {"lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 2, "decay_iters": 10, "style": "cosine"}
+    fresh = _build({"steps": 30})
+    assert schedule_settings(fresh, None) == (
+        {"lr": 3e-3, "min_lr": 0.0, "warmup_iters": 0, "decay_iters": 30, "style": "constant"},
+        [],
+    )
+    assert schedule_settings(fresh, saved) == (saved, [])
+    told = _build({"steps": 30, "lr": 5e-4, "lr_decay_iters": 30})
+    settings, notes = schedule_settings(told, saved)
+    assert settings == {**saved, "lr": 5e-4, "decay_iters": 30}
+    assert notes == [
+        "--lr 0.0005 instead of the checkpoint's 0.001",
+        "--lr-decay-iters 30 instead of the checkpoint's 10",
+    ]

@@ -29,8 +29,8 @@ from hfsdp.cli.report import say
 from hfsdp.cli.train_config import TrainConfig
 from hfsdp.cli.worker import RUN_DIR_ENV
 
-#: Optimizer hyper-parameters a setting sets; a value the user gave wins over a resumed checkpoint's.
-HYPER_PARAMETERS = ("lr", "weight_decay")
+#: Where a checkpoint's `extra` records the learning-rate schedule, so that a resume continues it.
+SCHEDULE_KEY = "schedule"
 
 
 def run_training(cfg: TrainConfig) -> dict:
@@ -67,8 +67,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     sharded = built.sharded
     opt = torch.optim.AdamW(param_groups(sharded, cfg.weight_decay), lr=cfg.lr, fused=True)
     data, held_out = _data(cfg, built.vocab_size)
-    start = _maybe_load(cfg, sharded, opt, rank)
-    schedule = _schedule(cfg, opt, start)
+    start, settings = _maybe_load(cfg, sharded, opt, rank)
+    schedule = _schedule(settings, opt, start)
     progress = Path(os.environ[RUN_DIR_ENV]) / "progress.json" if RUN_DIR_ENV in os.environ else None
 
     metrics = open(cfg.metrics, "a" if start else "w") if (cfg.metrics and rank == 0) else None  # noqa: SIM115
@@ -115,7 +115,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             if shown:
                 shown.update(record)
             if cfg.save and cfg.save_every and (step + 1) % cfg.save_every == 0:
-                saved.append(_save(cfg, built, opt, step + 1, rank))
+                saved.append(_save(cfg, built, opt, settings, step + 1, rank))
             if rank == 0 and progress:
                 _write_progress(progress, step + 1)
             if shared[1].item() > 0 and step + 1 < cfg.steps:
@@ -123,7 +123,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                     metrics.close()
                 raise stopping.Interrupted(stopping.requested() or signal.SIGTERM, step + 1)
         if cfg.save and cfg.steps > start and (not cfg.save_every or cfg.steps % cfg.save_every):
-            saved.append(_save(cfg, built, opt, cfg.steps, rank))
+            saved.append(_save(cfg, built, opt, settings, cfg.steps, rank))
     if metrics:
         metrics.close()
     peaks = [None] * dist.get_world_size()
@@ -160,14 +160,46 @@ def _data(cfg: TrainConfig, vocab_size: int):
     return data.split()
 
 
-def _schedule(cfg: TrainConfig, opt, start: int):
-    """Megatron's warmup + decay as a LambdaLR, positioned after `start` steps; its peak is --lr, or on a resume
-    without an --lr of the user's, the checkpoint's."""
+#: Schedule setting -> (its key in a checkpoint's "schedule" record, the TrainConfig setting that gives it).
+SCHEDULE = {
+    "lr": "lr",
+    "min_lr": "min_lr",
+    "warmup_iters": "lr_warmup_iters",
+    "decay_iters": "lr_decay_iters",
+    "style": "lr_decay_style",
+}
+
+
+def schedule_settings(cfg: TrainConfig, saved: dict | None) -> tuple[dict, list[str]]:
+    """The learning-rate schedule of this run, and notes on where it departs from a resumed checkpoint's.
+
+    A resume continues the schedule it was saved with (as Megatron does): each setting the user did not set
+    (flag or config file) comes from the checkpoint's record; one the user set wins, and the note says so.
+    Without a record the run's own settings hold; the decay ends at --steps unless --lr-decay-iters says.
+    """
+    own = {key: cfg.values[name] for key, name in SCHEDULE.items()}
+    if own["decay_iters"] is None:
+        own["decay_iters"] = cfg.steps
+    if not saved:
+        return own, []
+    settings, notes = {}, []
+    for key, name in SCHEDULE.items():
+        if cfg.explicit(name) or key not in saved:
+            settings[key] = own[key]
+            if key in saved and saved[key] != own[key]:
+                notes.append(f"{cfg.given[name].spelled} {own[key]} instead of the checkpoint's {saved[key]}")
+        else:
+            settings[key] = saved[key]
+    return settings, notes
+
+
+def _schedule(settings: dict, opt, start: int):
+    """Megatron's warmup + decay as a LambdaLR over every parameter group, positioned after `start` steps."""
     from hfsdp.core.lr_schedule import Schedule, scheduler
 
-    peak = cfg.lr if cfg.explicit("lr") or start == 0 else opt.param_groups[0].get("initial_lr", cfg.lr)
-    decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else cfg.steps
-    schedule = Schedule(peak, cfg.min_lr, cfg.lr_warmup_iters, decay_iters, cfg.lr_decay_style)
+    schedule = Schedule(
+        settings["lr"], settings["min_lr"], settings["warmup_iters"], settings["decay_iters"], settings["style"]
+    )
     return scheduler(opt, schedule, start)
 
 
@@ -187,34 +219,34 @@ def _evaluate(cfg: TrainConfig, built, held_out, device: torch.device, rank: int
     return total.item() / (cfg.eval_iters * count * layout.dp)
 
 
-def _maybe_load(cfg: TrainConfig, sharded, opt, rank: int) -> int:
-    """Resume from --load; a learning rate or weight decay the user set wins over the checkpoint's. A checkpoint
-    without optimizer state (an import of Hugging Face weights) starts the optimizer fresh at step 0."""
+def _maybe_load(cfg: TrainConfig, sharded, opt, rank: int) -> tuple[int, dict]:
+    """Resume from --load: (the step to start from, the learning-rate schedule to follow). The schedule and weight
+    decay continue the checkpoint's unless the user set them. A checkpoint without optimizer state (an import of
+    Hugging Face weights) starts the optimizer fresh at step 0 with this run's schedule."""
     if not cfg.load:
-        return 0
+        return 0, schedule_settings(cfg, None)[0]
     from hfsdp.ckpt import load_checkpoint, read_index, resolve
 
     ckpt_dir = resolve(cfg.load)
     index = read_index(ckpt_dir)
     fresh = index.optimizer is None
     extra = load_checkpoint(cfg.load, sharded, None if fresh else opt)
-    notes = ["weights only: the optimizer starts fresh at step 0"] if fresh else []
-    for name in HYPER_PARAMETERS:
-        groups = [g for g in opt.param_groups if name != "weight_decay" or g.get("name") == "decay"]
-        restored = groups[0].get("initial_lr", groups[0]["lr"]) if name == "lr" else groups[0][name]
-        if not fresh and cfg.explicit(name) and restored != cfg.values[name]:
-            for group in groups:
-                group[name] = cfg.values[name]
-            notes.append(
-                f"{name} {cfg.values[name]:g} from {cfg.given[name].spelled}, not the checkpoint's {restored:g}"
-            )
+    settings, notes = schedule_settings(cfg, None if fresh else extra.get(SCHEDULE_KEY))
+    if fresh:
+        notes.insert(0, "weights only: the optimizer starts fresh at step 0")
+    decay = [g for g in opt.param_groups if g.get("name") == "decay"]
+    if not fresh and cfg.explicit("weight_decay") and decay and decay[0]["weight_decay"] != cfg.weight_decay:
+        notes.append(f"weight decay {cfg.weight_decay:g} from {cfg.given['weight_decay'].spelled}, not the "
+                     f"checkpoint's {decay[0]['weight_decay']:g}")  # fmt: skip
+        for group in decay:
+            group["weight_decay"] = cfg.weight_decay
     if rank == 0:
         before = index.config().layout_name
         say(f"resumed from {ckpt_dir} ({before} -> {cfg.layout.layout_name})" + "".join(f"; {n}" for n in notes))
-    return 0 if fresh else int(extra["step"])
+    return (0 if fresh else int(extra["step"])), settings
 
 
-def _save(cfg: TrainConfig, built, opt, step: int, rank: int) -> Path:
+def _save(cfg: TrainConfig, built, opt, settings: dict, step: int, rank: int) -> Path:
     """Save step `step` (collective); rank 0 then applies --save-keep, once the new checkpoint is published."""
     from hfsdp.ckpt import save_checkpoint
 
@@ -222,6 +254,7 @@ def _save(cfg: TrainConfig, built, opt, step: int, rank: int) -> Path:
         "step": step,
         "consumed_samples": step * cfg.layout.global_batch_size,
         MODEL_KEY: model_settings(cfg),
+        SCHEDULE_KEY: settings,
     }
     path = save_checkpoint(cfg.save, built.sharded, opt, step=step, extra=extra, model_record=built.record)
     if rank == 0 and cfg.save_keep:
