@@ -51,7 +51,7 @@ def launch(cfg: TrainConfig, resumed_from: str | None = None) -> int:
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=0,
         start_method="spawn",
-        shutdown_timeout=GRACE_S,
+        **_grace(),
     )
     say(f"starting {cfg.nproc} rank{'s' if cfg.nproc != 1 else ''} ({cfg.layout.layout_name})")
     signum = None
@@ -170,3 +170,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _grace() -> dict:
+    """How long the agent lets stopping ranks finish before it kills them; only torch builds whose LaunchConfig
+    takes a shutdown timeout (2.12 and later) can be told (the GPU image's 2.11 cannot: it keeps its default)."""
+    from dataclasses import fields
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return {"shutdown_timeout": GRACE_S} if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)} else {}
