@@ -52,40 +52,70 @@ FAMILIES = {
 }
 
 
-def _family_runs(rank, world):
+def _train_sharded(sharded, rank, world, steps):
+    """`steps` steps of MICROBATCHES on the sharded model, fused AdamW over param_groups, warmup + cosine."""
     import torch.distributed as dist
 
-    from hfsdp.core import LayoutConfig, build_meshes, fully_shard, hf, param_groups
+    from hfsdp.core import hf, param_groups
     from hfsdp.core.data import microbatch
+
+    opt, schedule = _optimizer_and_schedule(param_groups(sharded, weight_decay=0.1))
+    losses = []
+    for step in range(steps):
+        total = torch.zeros(())
+        for index in range(MICROBATCHES):
+            sharded.set_microbatch(index, MICROBATCHES)
+            loss = hf.causal_lm_loss(sharded, *microbatch(_batch(step), index, MICROBATCHES, rank, world))
+            loss.backward()
+            total += loss.detach()
+        dist.all_reduce(total)
+        losses.append(total.item() / (MICROBATCHES * world))
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    return losses
+
+
+def _train_unsharded(config: dict, steps: int):
+    """The same optimizer, groups and schedule on the unsharded model: losses and final parameters."""
+    from hfsdp.core import hf
+    from hfsdp.core.main_params import megatron_no_decay
+
+    model = hf.build_causal_lm(hf.config_from_dict(config), seed=0)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not megatron_no_decay(n, p.shape)], "weight_decay": 0.1},
+        {"params": [p for n, p in named if megatron_no_decay(n, p.shape)], "weight_decay": 0.0},
+    ]
+    opt, schedule = _optimizer_and_schedule(groups)
+    losses = []
+    for step in range(steps):
+        loss = hf.causal_lm_loss(model, *_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        losses.append(loss.item())
+    return losses, model, {n: p.detach().clone() for n, p in named}
+
+
+def _family_runs(rank, world):
+
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard, hf
 
     out = {}
     for family, config in FAMILIES.items():
         model = hf.build_causal_lm(hf.config_from_dict(config), seed=0)
         cfg = LayoutConfig(world_size=world)
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=hf.decoder_layers(model))
-        opt, schedule = _optimizer_and_schedule(param_groups(sharded, weight_decay=0.1))
-        losses = []
-        for step in range(2):
-            total = torch.zeros(())
-            for index in range(MICROBATCHES):
-                sharded.set_microbatch(index, MICROBATCHES)
-                loss = hf.causal_lm_loss(sharded, *microbatch(_batch(step), index, MICROBATCHES, rank, world))
-                loss.backward()
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item() / (MICROBATCHES * world))
-            opt.step()
-            opt.zero_grad()
-            schedule.step()
+        losses = _train_sharded(sharded, rank, world, steps=2)
         out[family] = {"losses": losses, "class": type(model).__name__}
     return out
 
 
 def _variants(rank, world):
-    import torch.distributed as dist
 
-    from hfsdp.core import LayoutConfig, build_meshes, fully_shard, hf, param_groups
-    from hfsdp.core.data import microbatch
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard, hf
     from hfsdp.core.unit_forward import compile_units, recompute
 
     out = {}
@@ -98,20 +128,7 @@ def _variants(rank, world):
             recompute(units)
         cfg = LayoutConfig(world_size=world, **layout)
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=units)
-        opt, schedule = _optimizer_and_schedule(param_groups(sharded, weight_decay=0.1))
-        losses = []
-        for step in range(STEPS):
-            total = torch.zeros(())
-            for index in range(MICROBATCHES):
-                sharded.set_microbatch(index, MICROBATCHES)
-                loss = hf.causal_lm_loss(sharded, *microbatch(_batch(step), index, MICROBATCHES, rank, world))
-                loss.backward()
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item() / (MICROBATCHES * world))
-            opt.step()
-            opt.zero_grad()
-            schedule.step()
+        losses = _train_sharded(sharded, rank, world, steps=STEPS)
         pieces = [(p.name, p.start, p.stop, p.param.detach().reshape(-1).clone()) for p in sharded.main_params]
         out[name] = {
             "losses": losses,
@@ -129,25 +146,8 @@ def sharded_runs():
 
 @pytest.fixture(scope="module")
 def reference():
-    from hfsdp.core import hf
-    from hfsdp.core.main_params import megatron_no_decay
-
-    model = hf.build_causal_lm(hf.config_from_dict(CONFIG), seed=0)
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if not megatron_no_decay(n, p.shape)], "weight_decay": 0.1},
-        {"params": [p for n, p in named if megatron_no_decay(n, p.shape)], "weight_decay": 0.0},
-    ]
-    opt, schedule = _optimizer_and_schedule(groups)
-    losses = []
-    for step in range(STEPS):
-        loss = hf.causal_lm_loss(model, *_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        schedule.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in named}
+    losses, _, params = _train_unsharded(CONFIG, STEPS)
+    return losses, params
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -171,24 +171,7 @@ def test_hugging_face_llama_matches_the_unsharded_model(sharded_runs, reference,
 def test_qwen2_and_mistral_models_match_the_unsharded_model(sharded_runs, family):
     """A Qwen2 (biased q/k/v, untied) and a Mistral causal LM from their configs train on ZeRO-3 1x2 to the
     unsharded model's losses under the same optimizer, groups and schedule."""
-    from hfsdp.core import hf
-    from hfsdp.core.main_params import megatron_no_decay
-
-    model = hf.build_causal_lm(hf.config_from_dict(FAMILIES[family]), seed=0)
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if not megatron_no_decay(n, p.shape)], "weight_decay": 0.1},
-        {"params": [p for n, p in named if megatron_no_decay(n, p.shape)], "weight_decay": 0.0},
-    ]
-    opt, schedule = _optimizer_and_schedule(groups)
-    losses = []
-    for step in range(2):
-        loss = hf.causal_lm_loss(model, *_batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        schedule.step()
-        losses.append(loss.item())
+    losses, model, _ = _train_unsharded(FAMILIES[family], 2)
     case = sharded_runs[0]["families"][family]
     assert case["class"] == type(model).__name__ and family in case["class"].lower()
     torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)

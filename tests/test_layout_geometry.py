@@ -60,6 +60,18 @@ def _part(span: tuple[int, int], parts: int, j: int) -> tuple[int, int]:
     return span[0] + j * length, span[0] + (j + 1) * length
 
 
+def _reduced_range(layout, coord, padded: int) -> tuple[int, int]:
+    """The range a rank holds after the plan's reductions, by reduce-scatter semantics alone: group rank j (the
+    rank's coordinate on the axis) keeps the j-th equal part of its input; an all-reduce keeps it whole."""
+    plan, current = plan_for(layout), (0, padded)
+    for k in plan.microbatch_reduce:
+        current = _part(current, layout.axes[k].size, coord[k])
+    for k, op in plan.final_reduce:
+        if op == "reduce_scatter":
+            current = _part(current, layout.axes[k].size, coord[k])
+    return current
+
+
 @pytest.mark.parametrize("r,n,outer,inner", list(_cases()))
 def test_every_rank_holds_the_range_of_the_shard_order(r, n, outer, inner):
     """Rank (o, i) holds piece i*R + o when both axes shard (i when only the inner axis does, o when only the
@@ -93,15 +105,9 @@ def test_reductions_follow_reduce_scatter_semantics_and_end_on_the_optimizer_pie
     """The engine's reductions, replayed on ranges: each reduce-scatter over axis k hands the rank its group rank's
     (its coordinate's) equal part of the input range, and the last one leaves exactly the optimizer piece."""
     layout = _layout(r, n, outer, inner)
-    plan, padded = plan_for(layout), layout.padded_numel(NUMEL)
+    padded = layout.padded_numel(NUMEL)
     for coord in layout.coords():
-        current = (0, padded)
-        for k in plan.microbatch_reduce:
-            current = _part(current, layout.axes[k].size, coord[k])
-        for k, op in plan.final_reduce:
-            if op == "reduce_scatter":
-                current = _part(current, layout.axes[k].size, coord[k])
-        assert current == layout.shard_range(State.OPTIM, coord, padded), coord
+        assert _reduced_range(layout, coord, padded) == layout.shard_range(State.OPTIM, coord, padded), coord
 
 
 @pytest.mark.parametrize("r,n,outer,inner", list(_cases()))
@@ -178,12 +184,5 @@ def test_expert_meshes_on_non_square_domains(world, ep, expert_instances):
             for k in range(lo, hi):
                 held[k] += 1
         assert set(held) == {layout.size // layout.shard_factor(state)}, state
-    plan = plan_for(layout)
     for coord in layout.coords():
-        current = (0, padded)
-        for k in plan.microbatch_reduce:
-            current = _part(current, layout.axes[k].size, coord[k])
-        for k, op in plan.final_reduce:
-            if op == "reduce_scatter":
-                current = _part(current, layout.axes[k].size, coord[k])
-        assert current == layout.shard_range(State.OPTIM, coord, padded)
+        assert _reduced_range(layout, coord, padded) == layout.shard_range(State.OPTIM, coord, padded)

@@ -47,16 +47,11 @@ def _json_value(value: Any) -> Any:
     return ...
 
 
-def _pieces_by_param(model) -> dict[int, Any]:
-    return {id(p.param): p for p in model.main_params}
-
-
-def local_report(model, optimizer) -> Report:
-    """What this rank's optimizer holds, for the record: its groups, per-element kinds and per-parameter scalars."""
-    pieces = _pieces_by_param(model)
-    groups, kinds, scalars, stateless = [], {}, {}, []
+def _members(optimizer, model):
+    """(group index, parameter, its MainParam) of every parameter the optimizer steps; anything that is not one of
+    the model's main params cannot be checkpointed by name, and is refused."""
+    pieces = {id(p.param): p for p in model.main_params}
     for index, group in enumerate(optimizer.param_groups):
-        names = []
         for param in group["params"]:
             piece = pieces.get(id(param))
             if piece is None:
@@ -65,14 +60,20 @@ def local_report(model, optimizer) -> Report:
                     "params; build the optimizer from model.named_main_params() or hfsdp.core.param_groups(model), "
                     "so that its state can be checkpointed and resharded."
                 )
-            names.append(piece.name)
-            state = optimizer.state.get(param, {})
-            if not state:
-                stateless.append(piece.name)
-            for key, value in state.items():
-                _sort_state(piece, key, value, kinds, scalars)
-        hyper = {k: v for k, v in ((k, _json_value(v)) for k, v in group.items() if k != "params") if v is not ...}
-        groups.append({"hyper": hyper, "names": names})
+            yield index, param, piece
+
+
+def local_report(model, optimizer) -> Report:
+    """What this rank's optimizer holds, for the record: its groups, per-element kinds and per-parameter scalars."""
+    groups = [{"hyper": _hyper(group), "names": []} for group in optimizer.param_groups]
+    kinds, scalars, stateless = {}, {}, []
+    for index, param, piece in _members(optimizer, model):
+        groups[index]["names"].append(piece.name)
+        state = optimizer.state.get(param, {})
+        if not state:
+            stateless.append(piece.name)
+        for key, value in state.items():
+            _sort_state(piece, key, value, kinds, scalars)
     return {
         "type": type(optimizer).__name__,
         "groups": groups,
@@ -80,6 +81,11 @@ def local_report(model, optimizer) -> Report:
         "scalars": scalars,
         "stateless": stateless,
     }
+
+
+def _hyper(group: dict) -> dict[str, Any]:
+    """A parameter group's settings that JSON can hold (everything but its parameters)."""
+    return {k: v for k, v in ((k, _json_value(v)) for k, v in group.items() if k != "params") if v is not ...}
 
 
 def _sort_state(piece, key: str, value: Any, kinds: dict, scalars: dict) -> None:
@@ -172,20 +178,12 @@ def check_matches(optimizer, model, record: dict[str, Any] | None, source: str) 
             f"{len(optimizer.param_groups)}; build the optimizer's groups as the run that saved it did."
         )
     where = {name: i for i, group in enumerate(saved) for name in group["params"]}
-    pieces = _pieces_by_param(model)
-    for index, group in enumerate(optimizer.param_groups):
-        for param in group["params"]:
-            piece = pieces.get(id(param))
-            if piece is None:
-                raise CheckpointError(
-                    f"Parameter group {index} of the optimizer holds a tensor that is not one of the model's main "
-                    "params; build the optimizer from model.named_main_params() or hfsdp.core.param_groups(model)."
-                )
-            if where.get(piece.name, index) != index:
-                raise CheckpointError(
-                    f"'{piece.name}' is in optimizer parameter group {index}, but in group {where[piece.name]} in the "
-                    f"checkpoint {source}; build the optimizer's groups as the run that saved it did."
-                )
+    for index, _, piece in _members(optimizer, model):
+        if where.get(piece.name, index) != index:
+            raise CheckpointError(
+                f"'{piece.name}' is in optimizer parameter group {index}, but in group {where[piece.name]} in the "
+                f"checkpoint {source}; build the optimizer's groups as the run that saved it did."
+            )
 
 
 def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor]) -> None:
@@ -200,7 +198,7 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
         for key, value in saved["hyper"].items():
             if key in group and _is_numeric(value):
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
-    pieces = _pieces_by_param(model)
+    pieces = {id(p.param): p for p in model.main_params}
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
