@@ -174,15 +174,16 @@ def test_save_reshard_and_resume_through_the_cli(tmp_path):
 
 def test_train_moe_with_expert_parallelism_and_two_instances(tmp_path):
     """`hfsdp train --moe-experts 4 --ep 2 --outer optim --instances 2 --nproc 4` trains as HFSDP 2x2 with experts on
-    their own mesh, and computes what one instance without expert parallelism computes (ZeRO-3 1x4, ep 1): the same
-    losses and gradient norms, step by step (rtol 1e-5)."""
+    their own mesh, and computes what two ranks without expert parallelism compute (ZeRO-3 1x2, ep 1, the same
+    global batch): the same losses and gradient norms, step by step (rtol 1e-5)."""
     runs = {}
     for name, layout in {
-        "ep2 HFSDP": ["--ep", "2", "--outer", "optim", "--instances", "2"],
-        "ep1 ZeRO-3": ["--ep", "1"],
+        "ep2 HFSDP": ["--ep", "2", "--outer", "optim", "--instances", "2", "--nproc", "4"],
+        "ep1 ZeRO-3": ["--ep", "1", "--nproc", "2"],
     }.items():
         metrics = tmp_path / f"{name}.jsonl"
-        result = _run("--moe-experts", "4", *layout, "--nproc", "4", "--steps", "3", "--metrics", str(metrics), *SMALL)
+        batch = ["--global-batch-size", "16"]
+        result = _run("--moe-experts", "4", *layout, *batch, "--steps", "3", "--metrics", str(metrics), *SMALL)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = (result.stdout, _records(metrics))
     assert "HFSDP 2x2" in runs["ep2 HFSDP"][0]
