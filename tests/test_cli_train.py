@@ -130,25 +130,25 @@ def test_a_failing_rank_stops_every_rank_with_its_error():
 
 
 def test_save_reshard_and_resume_through_the_cli(tmp_path):
-    """Train 2 steps of HFSDP on 2 ranks with --save, `hfsdp ckpt reshard` to 1 rank, --load and train to step 4:
-    steps 3-4 give the losses of an uninterrupted 4-step run; the resume says where from and which layouts; a resume
-    with nothing left to do says so without starting ranks; an explicit --lr wins over the checkpoint's."""
+    """Train 4 steps of HFSDP on 2 ranks saving every 2, `hfsdp ckpt reshard` step 2 to 1 rank, --load it and train
+    to step 4: steps 3-4 give the losses of the uninterrupted run; the resume says where from and which layouts;
+    a resume with nothing left to do says so without starting ranks; an explicit --lr wins over the checkpoint's."""
     model = ["--global-batch-size", "8", "--micro-batch-size", "2", *SMALL]
     hfsdp = ["--nproc", "2", "--instances", "2", "--outer", "optim", *model]
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
-    assert _run(*hfsdp, "--steps", "4", "--metrics", str(whole)).returncode == 0
-    first = _run(*hfsdp, "--steps", "2", "--save", str(tmp_path / "ck"))
+    # One run is both the uninterrupted one (its metrics) and the one that saved step 2 (and step 4).
+    first = _run(*hfsdp, "--steps", "4", "--save-every", "2", "--save", str(tmp_path / "ck"), "--metrics", str(whole))
     assert first.returncode == 0, first.stderr[-2000:]
-    assert f"checkpoints: {tmp_path / 'ck'} (latest: step-2" in first.stdout
+    assert f"checkpoints: {tmp_path / 'ck'} (latest: step-4" in first.stdout
 
-    nothing = _run(*hfsdp, "--steps", "2", "--load", str(tmp_path / "ck"))
+    nothing = _run(*hfsdp, "--steps", "4", "--load", str(tmp_path / "ck"))
     assert nothing.returncode == 0, nothing.stderr
-    assert f"checkpoint {tmp_path / 'ck' / 'step-2'} is at step 2 and --steps is 2: nothing to do" in nothing.stdout
+    assert f"checkpoint {tmp_path / 'ck' / 'step-4'} is at step 4 and --steps is 4: nothing to do" in nothing.stdout
     assert "starting" not in nothing.stdout and "nan" not in nothing.stdout
 
     target = ["--world-size", "1", "--instances", "1", "--outer", "no_shard"]
     reshard = subprocess.run(
-        [HFSDP, "ckpt", "reshard", str(tmp_path / "ck"), str(tmp_path / "ck1"), *target],
+        [HFSDP, "ckpt", "reshard", str(tmp_path / "ck" / "step-2"), str(tmp_path / "ck1"), *target],
         capture_output=True,
         text=True,
         timeout=120,
