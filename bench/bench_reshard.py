@@ -78,7 +78,12 @@ def build(path: Path, units: int) -> None:
         "exp_avg": {n: t * 0.1 for n, t in main.items()},
         "exp_avg_sq": {n: t * t for n, t in main.items()},
     }
-    optimizer = {"type": "ShardedAdamW", "step_count": 10, "hyper": {"lr": 1e-4}, "states": ["exp_avg", "exp_avg_sq"]}
+    optimizer = {
+        "type": "AdamW",
+        "param_groups": [{"hyper": {"lr": 1e-4}, "params": list(shapes)}],
+        "states": ["exp_avg", "exp_avg_sq"],
+        "scalars": {"step": {"tensor": True, "values": dict.fromkeys(shapes, 10.0)}},
+    }
     write_from_tensors(path, cfg, groups, tensors, step=10, optimizer=optimizer)
 
 

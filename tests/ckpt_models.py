@@ -295,6 +295,17 @@ def write_index_bytes(ckpt, raw: bytes, reseal: bool = True) -> None:
         (Path(ckpt) / "index.json.checksum").write_text(seal(raw) + "\n")
 
 
+def as_legacy_optimizer(data: dict) -> None:
+    """Rewrite an index's optimizer record (in place) as hfsdp 0.1 wrote it in format versions 1-2: its own
+    ShardedAdamW with a step count, one set of hyper-parameters and the state names."""
+    record = data.get("optimizer")
+    if record is None:
+        return
+    steps = {int(v) for v in record["scalars"].get("step", {}).get("values", {}).values()} or {0}
+    hyper = {k: v for k, v in record["param_groups"][0]["hyper"].items() if k in ("lr", "betas", "eps", "weight_decay")}
+    data["optimizer"] = {"type": "ShardedAdamW", "step_count": steps.pop(), "hyper": hyper, "states": record["states"]}
+
+
 def edit_index(ckpt, edit, reseal: bool = True) -> None:
     """Apply `edit` to the parsed index of `ckpt` and write it back (see `write_index_bytes`)."""
     import json

@@ -35,6 +35,7 @@ from hfsdp.core.config import LayoutConfig
 
 from ckpt_models import (
     ZERO3,
+    as_legacy_optimizer,
     edit_index,
     engine,
     local_state,
@@ -343,6 +344,7 @@ DAMAGE = {
     "true as a piece bound": (edited(lambda d: main_pieces(d)[0].__setitem__(2, True), "pieces[0][2]"), "whole", True),
     "a negative piece bound": (edited(lambda d: main_pieces(d)[0].__setitem__(2, -1), "pieces[0][2]"), "outside", True),
     "optimizer group without hyper": (edited(lambda d: optimizer_group(d).pop("hyper"), "hyper"), "optimizer", True),
+    "a version 1-2 optimizer record in format 3": (edited(as_legacy_optimizer, "param_groups"), "optimizer", True),
     "optimizer group naming no parameter": (
         edited(lambda d: optimizer_group(d)["params"].append("nowhere.weight"), "nowhere.weight"),
         "optimizer",

@@ -24,7 +24,7 @@ from hfsdp.ckpt.store import is_unpublished
 from hfsdp.cli.ckpt import app
 from hfsdp.core.config import LayoutConfig
 
-from ckpt_models import edit_index, synthetic_checkpoint
+from ckpt_models import as_legacy_optimizer, edit_index, synthetic_checkpoint
 
 runner = CliRunner()
 SOURCE = {"world_size": 4, "instances": 2, "outer": "optim"}
@@ -217,7 +217,7 @@ def test_version_2_index_without_its_own_checksum_is_read(good, tmp_path):
     src = tmp_path / "v2"
     shutil.copytree(good, src)
     (src / "index.json.checksum").unlink()
-    edit_index(src, lambda d: d.update(version=2), reseal=False)
+    edit_index(src, lambda d: (d.update(version=2), as_legacy_optimizer(d)), reseal=False)
     assert verify(src)["index_checksum"] is False and inspect(src)["version"] == 2
     result = runner.invoke(app, ["verify", str(src)])
     assert result.exit_code == 0 and "index not checksummed" in result.output

@@ -20,7 +20,7 @@ from hfsdp.ckpt.pieces import plan_writes
 from hfsdp.ckpt.reader import CheckpointReader
 from hfsdp.core.config import LayoutConfig
 
-from ckpt_models import NUM_EXPERTS, synthetic_checkpoint, synthetic_groups
+from ckpt_models import NUM_EXPERTS, as_legacy_optimizer, synthetic_checkpoint, synthetic_groups
 
 LAYOUTS = [
     {"world_size": 4, "instances": 2},  # HSDP 2x2: optimizer replicated over the outer axis
@@ -164,6 +164,7 @@ def test_version_1_index_with_sha256_digests_is_still_verified(tmp_path):
     index_path = tmp_path / "a" / "index.json"
     data = json.loads(index_path.read_text())
     data["version"] = 1
+    as_legacy_optimizer(data)
     data["files"] = {
         name: {"sha256": digest, "bytes": (tmp_path / "a" / name).stat().st_size}
         for name, digest in _file_hashes(tmp_path / "a").items()

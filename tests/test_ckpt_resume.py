@@ -24,13 +24,12 @@ from hfsdp.core.config import LayoutConfig
 from ckpt_models import (
     GLOBAL_BATCH,
     HFSDP,
-    LR,
     MOE_EP1,
     MOE_EP2,
     NUM_EXPERTS,
-    WEIGHT_DECAY,
     ZERO1,
     ZERO3,
+    as_legacy_optimizer,
     edit_index,
     load_phase,
     reference,
@@ -80,14 +79,7 @@ def as_version_2(src, dst) -> None:
     (dst / "index.json.checksum").unlink()
 
     def legacy(data):
-        step = {int(v) for v in data["optimizer"]["scalars"]["step"]["values"].values()}.pop()
-        hyper = {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY}
-        data["optimizer"] = {
-            "type": "ShardedAdamW",
-            "step_count": step,
-            "hyper": hyper,
-            "states": ["exp_avg", "exp_avg_sq"],
-        }
+        as_legacy_optimizer(data)
         data["version"] = 2
 
     edit_index(dst, legacy, reseal=False)

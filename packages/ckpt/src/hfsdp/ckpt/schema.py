@@ -93,7 +93,7 @@ def parse_index(data: Any) -> CheckpointIndex:
         layout=layout,
         meshes=_meshes(top["meshes"]),
         extra=_extra(optional("extra", {})),
-        optimizer=_optimizer(top.get("optimizer"), groups),
+        optimizer=_optimizer(top.get("optimizer"), groups, version),
         groups=groups,
         tensors={
             _kind(kind, "tensors"): _entries(entries, f"tensors.{kind}")
@@ -196,11 +196,12 @@ def _bounded_tree(value: Any, path: str) -> None:
             stack.extend(item)
 
 
-def _optimizer(value: Any, groups: list[GroupSpec]) -> dict[str, Any] | None:
-    """The optimizer record (see `optim_state.py`); a record of hfsdp 0.1's own optimizers is read as torch's."""
+def _optimizer(value: Any, groups: list[GroupSpec], version: int) -> dict[str, Any] | None:
+    """The optimizer record (see `optim_state.py`); a version 1-2 record of hfsdp 0.1's own optimizers is read as
+    torch's."""
     if value is None:
         return None
-    if isinstance(value, dict) and "step_count" in value:
+    if version < 3:
         return _legacy_optimizer(value, [name for g in groups for name, _ in g.members])
     opt = _object(value, "optimizer", ("type", "param_groups", "states", "scalars"))
     param_groups = []
