@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import signal
+import time
 from typing import Annotated, Any
 
 import typer
@@ -25,6 +26,8 @@ from hfsdp.cli.settings import SETTINGS
 from hfsdp.core.config import ConfigError, Problem
 
 EXIT_INVALID, EXIT_UNUSABLE, EXIT_FAILED = 1, 2, 1
+#: How long a rank other than 0 waits before failing on a problem rank 0 reports (the agent then stops it).
+REPORT_GRACE_S = 10
 
 
 def train(**flags: Any) -> None:
@@ -56,7 +59,10 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
 
     def report(problems, what: str) -> None:
         if rank != 0:
-            return  # under torchrun every rank finds the same problems: rank 0 says it once
+            # Under torchrun every rank finds the same problems and rank 0 says them once. The others wait before
+            # failing: the agent stops every rank as soon as one exits, and rank 0 must have spoken by then.
+            time.sleep(REPORT_GRACE_S)
+            return
         if len(problems) == 1:
             say(f"error: {problems[0].field}: {problems[0].message}", err=True)
             return
