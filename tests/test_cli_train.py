@@ -26,6 +26,14 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([HFSDP, "train", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _tiny_hf_model(directory: Path) -> list[str]:
+    """Flags that train a tiny transformers Llama: for tests about the launcher, not the model, it starts in a
+    second where the megatron-core GPT needs every rank to import megatron-core."""
+    config = directory / "llama.json"
+    config.write_text(json.dumps(LLAMA))
+    return ["--model-config", str(config), "--seq-len", "16", "--device", "cpu"]
+
+
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -108,11 +116,11 @@ def test_unknown_strategy_suggests_the_closest_name():
     assert "--inner" in result.stderr and "optim_grads_params" in result.stderr
 
 
-def test_a_failing_rank_stops_every_rank_with_its_error():
+def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
     """When rank 2 raises, the command prints that rank's traceback once and one line naming rank 2 and its error,
     exits 1, and no rank is left running."""
     proc = subprocess.Popen(
-        [HFSDP, "train", "--steps", "4", "--debug-fail-rank", "2", *SMALL],
+        [HFSDP, "train", "--steps", "4", "--debug-fail-rank", "2", *_tiny_hf_model(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -217,7 +225,7 @@ def _interrupt(tmp_path: Path, send) -> tuple[subprocess.Popen, str, str, list[i
     metrics = tmp_path / "m.jsonl"
     args = ["--nproc", "2", "--steps", "100000", "--save", str(tmp_path / "ck"), "--save-every", "1"]
     proc = subprocess.Popen(
-        [HFSDP, "train", *args, "--save-keep", "2", "--metrics", str(metrics), *SMALL],
+        [HFSDP, "train", *args, "--save-keep", "2", "--metrics", str(metrics), *_tiny_hf_model(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -265,7 +273,7 @@ def test_a_killed_rank_is_reported_as_killed(tmp_path):
     """A rank killed with SIGKILL is reported as such, without pointing at a traceback that does not exist."""
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen(
-        [HFSDP, "train", "--nproc", "2", "--steps", "100000", "--metrics", str(metrics), *SMALL],
+        [HFSDP, "train", "--nproc", "2", "--steps", "100000", "--metrics", str(metrics), *_tiny_hf_model(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -61,12 +61,19 @@ def install() -> None:
 
 @contextlib.contextmanager
 def deferred():
-    """Inside this block a signal only sets `requested()`; the training loop stops at its next step boundary."""
+    """Inside this block a signal only sets `requested()`; the training loop stops at its next step boundary.
+
+    Left by an exception (a peer failed, say), the block keeps deferring: the process is on its way out, and
+    the signal the agent then sends its ranks could otherwise land in a finalizer run by the unwinding, where
+    Python prints an "Exception ignored" traceback and drops the exception.
+    """
     global _defer
     before, _defer = _defer, True
     try:
         yield
-    finally:
+    except BaseException:
+        raise
+    else:
         _defer = before
 
 
