@@ -24,17 +24,23 @@ from hfsdp.ckpt.index import UNSHARDED, CheckpointIndex, FileEntry, Piece
 from hfsdp.ckpt.names import entry_kind, refuse_link
 
 
+def shard_path(ckpt_dir: Path, name: str) -> Path:
+    """The path of the shard `name` the index lists, after checking that it exists and is no symlink."""
+    path = ckpt_dir / name
+    kind = entry_kind(path)
+    if kind is None:
+        raise CheckpointError(
+            f"{path} is missing: the index of {ckpt_dir} lists it, so the checkpoint is incomplete (a shard was "
+            "deleted or not copied). Restore the file from the machine or copy that wrote it."
+        )
+    refuse_link(path, kind, "shard")
+    return path
+
+
 def check_present(ckpt_dir: Path, index: CheckpointIndex, names: Iterable[str] | None = None) -> None:
     """Every file of `names` (default: all the index lists) is a regular file with the recorded size."""
     for name in sorted(index.files if names is None else set(names)):
-        path = ckpt_dir / name
-        kind = entry_kind(path)
-        if kind is None:
-            raise CheckpointError(
-                f"{path} is missing: the index of {ckpt_dir} lists it, so the checkpoint is incomplete (a shard was "
-                "deleted or not copied). Restore the file from the machine or copy that wrote it."
-            )
-        refuse_link(path, kind, "shard")
+        path = shard_path(ckpt_dir, name)
         expected = index.files[name]
         size = path.stat().st_size
         if size != expected.bytes:

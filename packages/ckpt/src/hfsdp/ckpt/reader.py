@@ -22,10 +22,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.files import expected_piece
+from hfsdp.ckpt.files import expected_piece, shard_path
 from hfsdp.ckpt.headers import HeaderEntry, expect, read_header
 from hfsdp.ckpt.index import CheckpointIndex, Piece
-from hfsdp.ckpt.names import entry_kind, refuse_link
 from hfsdp.ckpt.pieces import intersect
 
 
@@ -83,15 +82,7 @@ class CheckpointReader:
         """The file holds `piece` as the index says (dtype, length), by its header, before anything is mapped."""
         header = self._headers.get(piece.file)
         if header is None:
-            path = self.dir / piece.file
-            kind_of_path = entry_kind(path)
-            if kind_of_path is None:
-                raise CheckpointError(
-                    f"{path} is missing: the index of {self.dir} lists it, so the checkpoint is incomplete. "
-                    "Restore the file from the machine or copy that wrote it."
-                )
-            refuse_link(path, kind_of_path, "shard")
-            header = self._headers[piece.file] = read_header(path)
+            header = self._headers[piece.file] = read_header(shard_path(self.dir, piece.file))
         expect(self.dir / piece.file, header, expected_piece(kind, name, dtype, piece))
 
     def _read(self, piece: Piece, lo: int, hi: int) -> torch.Tensor:

@@ -69,12 +69,8 @@ def deferred():
     """
     global _defer
     before, _defer = _defer, True
-    try:
-        yield
-    except BaseException:
-        raise
-    else:
-        _defer = before
+    yield  # an exception here skips the line below: deferring stays on
+    _defer = before
 
 
 def hold() -> None:
