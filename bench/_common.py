@@ -221,6 +221,66 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
     return out
 
 
+def _complement(covered: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of `windows` that no interval of `covered` (sorted, disjoint) overlaps."""
+    out = []
+    for lo, hi in windows:
+        cursor = lo
+        for a, b in covered:
+            if b <= cursor or a >= hi:
+                continue
+            if a > cursor:
+                out.append((cursor, a))
+            cursor = max(cursor, b)
+        if cursor < hi:
+            out.append((cursor, hi))
+    return out
+
+
+def attribute_idle(events, gaps: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    """What the host was doing while the GPU ran nothing: idle time summed by 'phase | engine range | op'.
+
+    For each gap, the innermost host range containing its midpoint, on the thread whose
+    innermost range started last (during backward that is the autograd thread, not the
+    main thread waiting on it). The GPU idles because the host has not yet launched
+    the next kernel, so this names the host work the step waited for.
+    """
+    by_thread: dict[int, list] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name != STEP_LABEL:
+            by_thread.setdefault(e.thread, []).append((e.time_range.start, -e.time_range.end, e.name))
+    mids = sorted(((a + b) / 2, b - a) for a, b in gaps)
+    chains: list[list[list[str]]] = [[] for _ in mids]  # per gap: each thread's chain (outermost first)
+    starts: list[list[float]] = [[] for _ in mids]
+    for ranges in by_thread.values():
+        ranges.sort()
+        stack: list[tuple[float, float, str]] = []
+        i = 0
+        for g, (mid, _) in enumerate(mids):
+            while i < len(ranges) and ranges[i][0] <= mid:
+                start, neg_end, name = ranges[i]
+                while stack and stack[-1][1] <= start:
+                    stack.pop()
+                stack.append((start, -neg_end, name))
+                i += 1
+            live = [r for r in stack if r[1] >= mid]
+            if live:
+                chains[g].append([r[2] for r in live])
+                starts[g].append(live[-1][0])
+    totals: dict[str, float] = {}
+    for g, (_, length) in enumerate(mids):
+        if not chains[g]:
+            key = "no host range"
+        else:
+            chain = chains[g][max(range(len(starts[g])), key=starts[g].__getitem__)]
+            every = [name for c in chains[g] for name in c]
+            phase = next((n for n in every if n.startswith("phase:")), "-")
+            engine = next((n for n in reversed(chain) if n.startswith(("hfsdp::", "FSDP::"))), "-")
+            key = f"{phase} | {engine.split(' (')[0]} | {chain[-1][:60]}"
+        totals[key] = totals.get(key, 0.0) + length
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
 def summarize_profile(prof, device_type: str) -> dict:
     """Seconds per profiled step of compute, communication, copies and uncovered time.
 
@@ -255,6 +315,7 @@ def summarize_profile(prof, device_type: str) -> dict:
         busy = _union(unions["compute"] + unions["copy"])
         every = _union(busy + unions["comm"])
         comm_covered = _length(_intersect(unions["comm"], busy))
+        idle = _complement(every, windows)
         out = {
             "source": "CUDA kernels, all streams",
             "step_s": wall_us * per_step,
@@ -264,6 +325,7 @@ def summarize_profile(prof, device_type: str) -> dict:
             "comm_exposed_s": (_length(unions["comm"]) - comm_covered) * per_step,
             "idle_s": (wall_us - _length(every)) * per_step,
             "top_kernels_s": [(n, t * per_step) for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]],
+            "idle_by_host_activity_s": [(k, t * per_step) for k, t in attribute_idle(events, idle)[:15]],
         }
     else:
         thread = steps[0].thread

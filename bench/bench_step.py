@@ -31,6 +31,15 @@ previous model is freed before the next is built):
   micro-batch-size). With --dtype bf16 it runs under torch.autocast(bf16) on CUDA; on
   CPU it runs plain fp32 (no autocast). It is the reference for the overhead of
   sharding on one device: compare it with hfsdp/fsdp2 at world size 1.
+- `model`: the model alone on rank 0, its weights in the compute dtype, forward and
+  backward with the gradients dropped: no optimizer, no clipping, no engine. It is the
+  floor under every engine's step; an engine's step minus it is what the engine costs.
+
+`--simulate-world N` runs a single process as one rank of an N-rank world on torch's
+fake process group, whose collectives move no data. Every allocation is the real
+rank's, so it measures per-rank peak memory of any layout (2x4, 4x2, 1x8) on one
+device; step times then leave out communication and losses are meaningless (not
+checked).
 
 Gradient accumulation (M = global batch / (micro batch x dp) microbatches, 1 by
 default): hfsdp averages over microbatches x dp internally; FSDP2 averages over dp
@@ -99,7 +108,8 @@ LAYOUTS = {
     "hfsdp": ("optim", "optim_grads_params"),
 }
 SEED = 1234
-ENGINES = ("hfsdp", "fsdp2", "plain")
+ENGINES = ("hfsdp", "fsdp2", "plain", "model")
+SINGLE_DEVICE_ENGINES = ("plain", "model")  # unsharded, on rank 0 alone
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,15 @@ class Layout:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--simulate-world",
+        type=int,
+        default=0,
+        help="run one process as rank --simulate-rank of a world of this size, on torch's fake process group "
+        "(collectives move no data): per-rank memory of any layout on one device; step times then exclude "
+        "communication and losses are meaningless",
+    )
+    p.add_argument("--simulate-rank", type=int, default=0)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -168,6 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    if args.simulate_world and not 0 <= args.simulate_rank < args.simulate_world:
+        p.error(f"--simulate-rank must be in 0..{args.simulate_world - 1}")
     return args
 
 
@@ -195,8 +216,16 @@ def parse_layouts(text: str | None, world: int) -> list[Layout]:
 # -- device --------------------------------------------------------------------------------
 
 
-def init_distributed(kind: str) -> torch.device:
-    if kind == "cuda":
+def init_distributed(args) -> torch.device:
+    if args.simulate_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("fake", store=FakeStore(), rank=args.simulate_rank, world_size=args.simulate_world)
+        return device
+    if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -204,6 +233,15 @@ def init_distributed(kind: str) -> torch.device:
         return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+def gather_objects(obj, args) -> list:
+    """Every rank's `obj`, in rank order; a simulated rank has only its own (the fake group moves no data)."""
+    if args.simulate_world:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def sync(device: torch.device) -> None:
@@ -511,6 +549,47 @@ class PlainEngine(TorchOptimizerEngine):
         return loss.detach()
 
 
+class ModelOnlyEngine(TorchOptimizerEngine):
+    """The model alone in the compute dtype: forward and backward, gradients dropped, no optimizer.
+
+    No engine's step can be faster than this: it is the model's own compute. The
+    difference between an engine's step and it is everything the engine adds
+    (casts, gradient copies, collectives, clipping, the optimizer step).
+    """
+
+    kind = "model"
+
+    def __init__(self, args, timers, compute_dtype, cfg, shape, device):
+        super().__init__(args, timers, compute_dtype)
+        self.model = build_model(cfg, shape, device, init_groups=False)
+        self.params, self.flops_per_token = flops_per_token(self.model, shape)
+        if compute_dtype is not None:
+            self.model.to(compute_dtype)
+        maybe_compile(args, self.model)
+        self.opt = None
+        dtype = str(compute_dtype or torch.float32).removeprefix("torch.")
+        self.label = f"model alone, {dtype} weights: forward + backward, no optimizer (the floor)"
+        self.mesh = ()
+
+    def microbatch(self, index, count, tokens, labels):
+        loss = loss_of(self.model, tokens, labels)
+        (loss / count).backward()
+        return loss.detach().float()
+
+    def clip(self):
+        pass
+
+    def optimizer_step(self):
+        pass
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+    def state_bytes(self):
+        params = list(self.model.parameters())
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params)
+
+
 def install_phase_timers(timers: CallTimers) -> None:
     """Inclusive host time of each engine's phases (labels 'hfsdp:...' and 'fsdp2:...')."""
     from hfsdp.core.flat_group import FlatParamGroup
@@ -814,6 +893,12 @@ def report(results: list[dict], checks: list[dict], args, meta: dict) -> str:
             row += [f"{100 * mfu:.1f}%"]
         rows.append(row)
     lines = ["", "## Step time", "", markdown_table(header, rows), ""]
+    if args.simulate_world:
+        lines[3:3] = [
+            f"Simulated: rank {args.simulate_rank} of {args.simulate_world} on the fake process group. Memory is "
+            "the real rank's; step times leave out all communication; losses are meaningless.",
+            "",
+        ]
 
     phase_keys = sorted({k for r in results for k in r["timers_s_per_step"]})
     if phase_keys:
@@ -846,6 +931,10 @@ def report(results: list[dict], checks: list[dict], args, meta: dict) -> str:
                 f"- {r['engine']} {r['layout']}: annotated ranges s/step: {ranges}",
                 f"  top self-CPU ops (s total): {ops}",
             ]
+            idle = r["profile"].get("idle_by_host_activity_s", [])[:8]
+            if idle:
+                lines += ["  GPU idle s/step, by what the host was doing (phase | engine range | op): "]
+                lines += [f"    {t:.4f} {k}" for k, t in idle]
         lines += [""]
 
     if checks:
@@ -879,7 +968,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     args = parse_args(argv)
-    device = init_distributed(args.device)
+    device = init_distributed(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         return _main(args, device, rank, world)
@@ -911,8 +1000,7 @@ def _main(args, device, rank, world) -> int:
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
         rate = matmul_tflops(device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-        rates = [None] * world
-        dist.all_gather_object(rates, rate)
+        rates = gather_objects(rate, args)
         meta["matmul_tflops_per_rank"] = rates
         meta["matmul_dtype"] = args.dtype
         if rank == 0:
@@ -937,7 +1025,7 @@ def _main(args, device, rank, world) -> int:
                 steps = args.warmup + args.steps + extra
                 batches_by_layout[layout.tag] = make_batches(shape, steps, gbs, count, rank, cfg.dp, device)
             batches = batches_by_layout[layout.tag]
-            kinds = [k for k in args.engines if k != "plain"]
+            kinds = [k for k in args.engines if k not in SINGLE_DEVICE_ENGINES]
             if round_index % 2:
                 kinds.reverse()  # alternate the order, so drift in the machine's load favours no engine
             for kind in kinds:
@@ -963,9 +1051,7 @@ def _main(args, device, rank, world) -> int:
                 profile = args.profile and round_index == 0
                 mine = run_engine(factory, batches, args, device, timers, cfg.dp, world, profile)
                 mine["layout"] = layout.tag
-                gathered = [None] * world
-                dist.all_gather_object(gathered, mine)
-                row = merge_ranks(gathered)
+                row = merge_ranks(gather_objects(mine, args))
                 runs.setdefault((layout.tag, kind), []).append(row)
                 if rank == 0:
                     print(
@@ -975,10 +1061,11 @@ def _main(args, device, rank, world) -> int:
                     )
     results = [combine_rounds(rows) for rows in runs.values()]
 
-    if "plain" in args.engines:
-        results.extend(run_plain(args, device, rank, world, shape, compute_dtype, timers, extra))
+    for kind in SINGLE_DEVICE_ENGINES:
+        if kind in args.engines and not args.simulate_world:
+            results.extend(run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra))
 
-    checks = loss_checks(results, args, world)
+    checks = [] if args.simulate_world else loss_checks(results, args, world)
     if rank == 0:
         text = report(results, checks, args, meta)
         print(text, flush=True)
@@ -998,8 +1085,8 @@ def _main(args, device, rank, world) -> int:
     return 0
 
 
-def run_plain(args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:
-    """The unsharded model on rank 0 alone; every other rank waits at a barrier."""
+def run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:
+    """The unsharded model (`plain` or `model`) on rank 0 alone; every other rank waits at a barrier."""
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.megatron.adapter import initialize_parallel
 
@@ -1011,11 +1098,12 @@ def run_plain(args, device, rank, world, shape, compute_dtype, timers, extra) ->
         cfg = LayoutConfig(world_size=1, global_batch_size=per_rank, micro_batch_size=args.micro_batch_size)
         batches = make_batches(shape, args.warmup + args.steps + extra, per_rank, count, 0, 1, device)
         if world > 1:
-            print("plain: runs on rank 0 while the other ranks wait; on a shared CPU it gets more cores than they did")
-        print(f"[plain] {count} microbatch(es) of {args.micro_batch_size} per step", flush=True)
+            print(f"{kind}: runs on rank 0 while the other ranks wait; on a shared CPU it gets more cores")
+        print(f"[{kind}] {count} microbatch(es) of {args.micro_batch_size} per step", flush=True)
+        engine_class = PlainEngine if kind == "plain" else ModelOnlyEngine
 
         def factory():
-            return PlainEngine(args, timers, compute_dtype, cfg, shape, device)
+            return engine_class(args, timers, compute_dtype, cfg, shape, device)
 
         mine = run_engine(factory, batches, args, device, timers, 1, 1, args.profile)
         mine["layout"] = "1x1"

@@ -228,8 +228,13 @@ class FlatParamGroup:
             reduced = self._grad_buffer if first else torch.empty_like(self._grad_buffer)
             microbatch = (flat, reduced, first)
             inputs += [flat, reduced]
+        elif self._grad_buffer is None:  # the step's first microbatch writes its gradients: nothing to add them to
+            buffer = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
+            buffer[self.numel :].zero_()
+            self._fill(buffer, scale, accumulate=False)
+            self._grad_buffer = buffer
         else:
-            self._fill(self.grad_buffer, scale, accumulate=True)
+            self._fill(self._grad_buffer, scale, accumulate=True)
         steps = self._final_steps() if last else []
         if microbatch is None and not steps:
             return
