@@ -36,7 +36,7 @@ for phase in $phases; do
     llama1) timeout 300 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --layouts zero3:1x1 \
             --engines hfsdp,fsdp2,model ${EXTRA---profile --memory-trace} --out "$out/llama1.json" >"$out/llama1.log" 2>&1; show "$out/llama1.log" ;;
     compile1) timeout 420 torchrun --nproc-per-node 1 bench/bench_step.py --device cuda $B $LLAMA --compile \
-            --layouts zero3:1x1 --engines hfsdp,fsdp2 --out "$out/compile1.json" >"$out/compile1.log" 2>&1
+            --layouts zero3:1x1 --engines hfsdp,fsdp2,model --out "$out/compile1.json" >"$out/compile1.log" 2>&1
             show "$out/compile1.log" ;;
     gpt2) timeout 420 torchrun --nproc-per-node 2 bench/bench_step.py --device cuda $B $GPT \
             --layouts zero3:1x2,hsdp:2x1,hfsdp:2x1 --engines hfsdp,fsdp2 --out "$out/gpt2.json" >"$out/gpt2.log" 2>&1

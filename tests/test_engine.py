@@ -31,6 +31,7 @@ HYBRIDS_6 = {
     "ZeRO-2 over ZeRO-3": ("optim_grads", "optim_grads_params"),
 }
 LAYOUTS_6 = [(*HYBRIDS_6[name], r) for name in HYBRIDS_6 for r in (2, 3)]
+LAYOUTS_1 = [("no_shard", "optim_grads_params", 1), ("no_shard", "no_shard", 1)]  # one rank: no collective at all
 RUNS = {"adamw": None, "sgd": CLIP}  # optimizer -> clip (None: the norm is measured, not applied)
 
 
@@ -162,6 +163,11 @@ def world4(checkpoints):
 
 
 @pytest.fixture(scope="module")
+def world1():
+    return run_distributed(_layout_runs, 1, LAYOUTS_1)
+
+
+@pytest.fixture(scope="module")
 def world6(checkpoints, world4):  # after world4: it resumes world4's checkpoint
     return run_distributed(_world6_cases, 6, str(checkpoints / "sgd"))
 
@@ -220,6 +226,14 @@ def test_every_layout_matches_the_single_process_reference(world4, layout, optim
     """3 steps x 2 microbatches on 4 ranks give the reference's losses, exact global gradient norms and final
     parameters (fp32, rtol 1e-5): AdamW with the norm measured, SGD with momentum and clipping at 0.05."""
     _check_against_reference(world4, layout, optimizer)
+
+
+@pytest.mark.parametrize("optimizer", list(RUNS))
+@pytest.mark.parametrize("layout", LAYOUTS_1, ids=[_layout_id(x) for x in LAYOUTS_1])
+def test_one_rank_with_gradient_accumulation_matches_the_single_process_reference(world1, layout, optimizer):
+    """On one rank no reduction runs, so the mean over microbatches is the engine's scaling alone: 2 microbatches
+    per step must still give the reference's losses, norms and parameters."""
+    _check_against_reference(world1, layout, optimizer)
 
 
 @pytest.mark.parametrize("optimizer", list(RUNS))

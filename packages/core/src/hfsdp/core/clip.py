@@ -20,11 +20,14 @@ def global_grad_norm(model_or_groups) -> torch.Tensor:
     groups = _groups(model_or_groups)
     device = groups[0].device if groups else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
+    by_replicas: dict[int, list[torch.Tensor]] = {}
     for group in groups:
         replicas = group.layout.size // group.layout.shard_factor(State.OPTIM)
-        # The norm of a piece in fp32 (no fp64 copy of the gradient); sums of pieces in fp64.
-        piece = torch.linalg.vector_norm(group.main_grad, 2, dtype=torch.float32).double()
-        total += piece.square() / replicas
+        by_replicas.setdefault(replicas, []).append(group.main_grad)
+    for replicas, grads in by_replicas.items():
+        # The norm of each piece in fp32 (no fp64 copy of the gradient), in one multi-tensor kernel; sums in fp64.
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total += torch.stack(norms).double().square().sum() / replicas
     dist.all_reduce(total)
     return total.sqrt().float()
 
@@ -38,8 +41,11 @@ def clip_grad_norm_(model_or_groups, max_norm: float) -> torch.Tensor:
     groups = _groups(model_or_groups)
     norm = global_grad_norm(groups)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for group in groups:
-        group.main_grad.mul_(coef.to(group.main_grad.dtype))
+        by_dtype.setdefault(group.main_grad.dtype, []).append(group.main_grad)
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coef.to(dtype))
     return norm
 
 

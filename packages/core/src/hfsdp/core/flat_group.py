@@ -204,14 +204,19 @@ class FlatParamGroup:
         return self._grad_buffer
 
     def accumulate_grads(self, scale: float, last: bool = True) -> None:
-        """Move this microbatch's parameter grads into the flat buffers, scaled once, and reduce.
+        """Move this microbatch's parameter grads into the flat buffers and reduce; scale once per step.
 
-        Reduce-scatters over the inner axis where gradients are sharded (every
-        microbatch); elsewhere gradients accumulate unreduced. On the `last`
-        microbatch of the step the once-per-step reductions over the remaining
-        axes follow straight away (inner first), so that an HSDP all-reduce or
-        an HFSDP outer reduce-scatter overlaps the backward of earlier units
-        instead of running after the whole backward. Everything runs on the
+        Gradients enter the buffers as they are: an upcast copy on a step's first
+        microbatch, an add after it. Reduce-scatters over the inner axis where
+        gradients are sharded (every microbatch); elsewhere gradients accumulate
+        unreduced. On the `last` microbatch of the step the once-per-step
+        reductions over the remaining axes follow straight away (inner first), so
+        that an HSDP all-reduce or an HFSDP outer reduce-scatter overlaps the
+        backward of earlier units instead of running after the whole backward.
+        Then this rank's optimizer piece, now the sum over microbatches and ranks,
+        is multiplied by `scale` (the mean-loss factor): one pass over 1/s_o of
+        the elements per step, instead of a broadcast multiply (which does not
+        vectorise) over every element on every microbatch. Everything runs on the
         reduce stream; `release_reduction` makes compute wait for it.
         """
         self.release_reduction()
@@ -220,7 +225,7 @@ class FlatParamGroup:
         if self.plan.microbatch_reduce:
             flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
             flat[self.numel :].zero_()
-            self._fill(flat, scale, accumulate=False)
+            self._fill(flat, accumulate=False)
             first = self._grad_buffer is None
             if first:  # the first microbatch reduce-scatters straight into a fresh buffer
                 length = self.grad_range[1] - self.grad_range[0]
@@ -231,12 +236,15 @@ class FlatParamGroup:
         elif self._grad_buffer is None:  # the step's first microbatch writes its gradients: nothing to add them to
             buffer = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
             buffer[self.numel :].zero_()
-            self._fill(buffer, scale, accumulate=False)
+            self._fill(buffer, accumulate=False)
             self._grad_buffer = buffer
         else:
-            self._fill(self._grad_buffer, scale, accumulate=True)
+            self._fill(self._grad_buffer, accumulate=True)
         steps = self._final_steps() if last else []
+        rescale = last and scale != 1.0
         if microbatch is None and not steps:
+            if rescale:
+                self.main_grad.mul_(scale)
             return
         filled = self.streams.record("compute")  # after every allocation above: the reduce stream may write them
         with self.streams.side("reduce"):
@@ -254,6 +262,8 @@ class FlatParamGroup:
                     comm.reduce_scatter(out, view, self._group(k), self._name(k))
                     target.copy_(out)
                     inputs.append(out)
+            if rescale:
+                self.main_grad.mul_(scale)
             self._reduction_in_flight = (self.streams.record("reduce"), *inputs)
 
     def _final_steps(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
@@ -286,25 +296,19 @@ class FlatParamGroup:
             self.streams.wait("compute", self._reduction_in_flight[0])
             self._reduction_in_flight = ()
 
-    def _fill(self, flat: torch.Tensor, scale: float, accumulate: bool) -> None:
-        """Add (or write) each parameter's grad times `scale` into its slot; the loss scaling happens here only.
-
-        One kernel per parameter either way, computing in the reduction dtype: the
-        scale is a one-element tensor of that dtype, so type promotion upcasts a
-        bf16 gradient inside the multiplication (a Python scalar would leave it in
-        bf16 and round the product there), and `add_` promotes likewise.
-        """
-        factor = torch.full((1,), scale, dtype=flat.dtype, device=flat.device)
+    def _fill(self, flat: torch.Tensor, accumulate: bool) -> None:
+        """Write (or add) each parameter's grad into its slot, upcast to the reduction dtype; one kernel per
+        parameter. Slots of parameters without a grad are zeroed when writing. The grads are then dropped."""
         for slot in self.slots:
             grad = slot.param.grad
             view = flat[slot.offset : slot.offset + slot.numel]
-            if accumulate:
-                if grad is not None:
-                    view.add_(grad.reshape(-1), alpha=scale)
-            elif grad is None:
-                view.zero_()
+            if grad is None:
+                if not accumulate:
+                    view.zero_()
+            elif accumulate:
+                view.add_(grad.reshape(-1))
             else:
-                torch.mul(grad.reshape(-1), factor, out=view)
+                view.copy_(grad.reshape(-1))
             slot.param.grad = None
 
     @property

@@ -4,9 +4,10 @@ The caller names the units (each transformer layer, say); the root takes every
 parameter no unit claimed. Inside each unit, parameters are grouped by mesh
 (dense or expert) and dtype into `FlatParamGroup`s.
 
-Loss scaling lives here and only here: gradients enter the flat buffers
-multiplied by 1 / (microbatches x dp), so every layout computes the update of
-the mean loss over the global batch, and the reductions are plain sums.
+Loss scaling lives here and only here: the reductions are plain sums, and after
+a step's last reduction each rank's optimizer piece is multiplied by
+1 / (microbatches x dp), so every layout computes the update of the mean loss
+over the global batch.
 """
 
 from __future__ import annotations
