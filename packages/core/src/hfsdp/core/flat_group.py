@@ -297,18 +297,29 @@ class FlatParamGroup:
             self._reduction_in_flight = ()
 
     def _fill(self, flat: torch.Tensor, accumulate: bool) -> None:
-        """Write (or add) each parameter's grad into its slot, upcast to the reduction dtype; one kernel per
-        parameter. Slots of parameters without a grad are zeroed when writing. The grads are then dropped."""
+        """Write (or add) each parameter's grad into its slot, upcast to the reduction dtype; then drop the grads.
+
+        Writing, when every parameter has a grad, is one `torch._chunk_cat` for the
+        whole group (the kernel FSDP2 builds its reduce-scatter input with): a
+        dtype-converting `copy_` per parameter does not vectorise and ran at about
+        1.5 TB/s on an H200. Otherwise one kernel per parameter; slots of parameters
+        without a grad are zeroed when writing.
+        """
+        grads = [slot.param.grad for slot in self.slots]
+        if not accumulate and all(g is not None for g in grads):
+            out = flat[: self.numel].view(1, self.numel)
+            torch._chunk_cat([g.reshape(-1) for g in grads], dim=0, num_chunks=1, out=out)
+        else:
+            for slot, grad in zip(self.slots, grads, strict=True):
+                view = flat[slot.offset : slot.offset + slot.numel]
+                if grad is None:
+                    if not accumulate:
+                        view.zero_()
+                elif accumulate:
+                    view.add_(grad.reshape(-1))
+                else:
+                    view.copy_(grad.reshape(-1))
         for slot in self.slots:
-            grad = slot.param.grad
-            view = flat[slot.offset : slot.offset + slot.numel]
-            if grad is None:
-                if not accumulate:
-                    view.zero_()
-            elif accumulate:
-                view.add_(grad.reshape(-1))
-            else:
-                view.copy_(grad.reshape(-1))
             slot.param.grad = None
 
     @property
