@@ -299,19 +299,19 @@ class FlatParamGroup:
     def _fill(self, flat: torch.Tensor, accumulate: bool) -> None:
         """Write (or add) each parameter's grad into its slot, upcast to the reduction dtype; then drop the grads.
 
-        Writing, when every parameter has a grad, is one `torch._chunk_cat` for the
-        whole group (the kernel FSDP2 builds its reduce-scatter input with): a
-        dtype-converting `copy_` per parameter does not vectorise and ran at about
-        1.5 TB/s on an H200. Otherwise one kernel per parameter; slots of parameters
-        without a grad are zeroed when writing.
+        Writing, when every parameter has a grad, is one `torch._foreach_copy_` for
+        the whole group: on an H200 it moved a Llama layer's gradients at 3.1 TB/s
+        with 0.03 ms of host time, against 1.7 TB/s and 0.10 ms for a `copy_` per
+        parameter and 1.0 TB/s and 0.29 ms for `torch._chunk_cat`
+        (`bench/bench_grad_copy.py`). Otherwise one kernel per parameter; slots of
+        parameters without a grad are zeroed when writing.
         """
         grads = [slot.param.grad for slot in self.slots]
+        views = [flat[slot.offset : slot.offset + slot.numel] for slot in self.slots]
         if not accumulate and all(g is not None for g in grads):
-            out = flat[: self.numel].view(1, self.numel)
-            torch._chunk_cat([g.reshape(-1) for g in grads], dim=0, num_chunks=1, out=out)
+            torch._foreach_copy_(views, [g.reshape(-1) for g in grads])
         else:
-            for slot, grad in zip(self.slots, grads, strict=True):
-                view = flat[slot.offset : slot.offset + slot.numel]
+            for view, grad in zip(views, grads, strict=True):
                 if grad is None:
                     if not accumulate:
                         view.zero_()
