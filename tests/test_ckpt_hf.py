@@ -404,6 +404,75 @@ def test_cli_import_errors_are_one_paragraph_exit_2_and_leave_nothing(hf_dirs, t
     assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+# -- mixture-of-experts families: experts saved one tensor per expert, held fused --------------------------
+
+#: model_type -> what its config adds to TINY: 4 experts, 2 per token, on every layer
+MOE = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "head_dim": 8,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """save_pretrained of each tiny MoE model, in shards: (directory, the model)."""
+    from hfsdp.core.hf import build_causal_lm, config_from_dict
+
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for model_type, extra in MOE.items():
+        model = build_causal_lm(config_from_dict({"model_type": model_type, **TINY, **extra}), seed=5)
+        model.save_pretrained(root / model_type, max_shard_size="20KB")
+        out[model_type] = (root / model_type, model)
+    return out
+
+
+@pytest.mark.parametrize("model_type", list(MOE))
+def test_experts_saved_one_per_expert_import_as_the_fused_tensors_the_model_holds(moe_dirs, tmp_path, model_type):
+    """transformers 5 writes an MoE layer's experts one 2-D tensor per expert but its model holds them fused in
+    3-D parameters. Imported (HFSDP 3x2), exported and loaded back, every tensor and the logits equal the
+    original model's, with nothing missing or unexpected."""
+    src, original = moe_dirs[model_type]
+    on_disk = hf_tensors(src)
+    assert any(".experts.0." in name for name in on_disk)
+    assert not any(name.endswith("experts.gate_up_proj") for name in on_disk)
+    import_hf(src, tmp_path / "ckpt", LayoutConfig(**LAYOUTS["HFSDP 3x2 (world 6)"]))
+    verify(tmp_path / "ckpt")
+    export(tmp_path / "ckpt", tmp_path / "out", "fp32")
+    model, info = load_info(tmp_path / "out")
+    assert info["missing_keys"] == info["unexpected_keys"] == set() and not info["mismatched_keys"]
+    expected, loaded = original.state_dict(), model.state_dict()
+    assert set(loaded) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=TOKENS).logits, original(input_ids=TOKENS).logits)
+
+
+def test_an_expert_missing_from_the_files_is_refused_naming_the_fused_weight(moe_dirs, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(moe_dirs["mixtral"][0], src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    file = src / index["weight_map"].pop(name)
+    tensors = load_file(file)
+    del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = runner.invoke(app, ["import", str(src), str(tmp_path / "dst"), "--world-size", "2"])
+    assert result.exit_code == 2, result.output
+    _one_paragraph(result.output, "hfsdp ckpt import: ", "'model.layers.1.mlp.experts.gate_up_proj'")
+    assert "one tensor per expert" in result.output
+    assert not (tmp_path / "dst").exists()
+
+
 def test_import_refuses_an_existing_destination_and_one_inside_the_source(hf_dirs, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(hf_dirs["llama untied"], src)

@@ -14,13 +14,15 @@ size. Each chunk is cast to the dtype the target declares for it (fp32 for
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from hfsdp.ckpt.dtypes import DTYPES
 from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.hf_dir import HFDir
+from hfsdp.ckpt.hf_dir import HFDir, HFTensor
+from hfsdp.ckpt.hf_experts import HFConcat
 from hfsdp.ckpt.writer import torch_dtype
 
 #: safetensors dtype code -> torch dtype name
@@ -36,20 +38,28 @@ class HFSource:
 
     def chunks(self, kind: str, name: str, start: int, stop: int, max_elems: int):
         tensor = self.hf.tensors[name]
-        source = torch_dtype(_BY_CODE[tensor.dtype])
         target = torch_dtype(self.dtypes[kind, name])
-        path = self.hf.path / tensor.file
-        fd = self._open(tensor.file)
-        size = source.itemsize
-        for lo in range(start, stop, max_elems):
-            count = min(max_elems, stop - lo)
-            data = bytearray(count * size)
-            if os.preadv(fd, [data], tensor.offset + lo * size) != len(data):
-                raise CheckpointError(
-                    f"{path} ended while reading tensor {name!r} (elements {lo}..{lo + count}): the file was cut "
-                    "short or changed while it was read. Nothing was written; check the file and run again."
-                )
-            yield torch.frombuffer(data, dtype=source).to(target)
+        # A fused expert tensor (hf_experts.py) is its parts one after the other; a plain tensor is one part.
+        parts = tensor.parts if isinstance(tensor, HFConcat) else (tensor,)
+        base = 0
+        for part in parts:
+            numel = math.prod(part.shape)
+            lo, hi = max(start, base), min(stop, base + numel)
+            for first in range(lo, hi, max_elems):
+                yield self._read(part, name, first - base, min(max_elems, hi - first)).to(target)
+            base += numel
+
+    def _read(self, tensor: HFTensor, name: str, first: int, count: int) -> torch.Tensor:
+        """Elements [first, first + count) of one tensor of the directory, in its file's dtype."""
+        source = torch_dtype(_BY_CODE[tensor.dtype])
+        data = bytearray(count * source.itemsize)
+        if os.preadv(self._open(tensor.file), [data], tensor.offset + first * source.itemsize) != len(data):
+            raise CheckpointError(
+                f"{self.hf.path / tensor.file} ended while reading tensor {name!r} (elements {first}.."
+                f"{first + count}): the file was cut short or changed while it was read. Nothing was written; "
+                "check the file and run again."
+            )
+        return torch.frombuffer(data, dtype=source)
 
     def _open(self, file: str) -> int:
         fd = self._fds.get(file)

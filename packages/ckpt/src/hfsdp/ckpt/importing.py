@@ -13,7 +13,9 @@ optimizer fresh.
 The directory is untrusted input (`hf_dir.py`), and it must hold exactly the
 model's tensors: every one config.json's model has, with its shape, and no
 other (a tied weight's second name, which some tools write, is accepted when
-its shape is right and left out, as transformers ties it again). Weights are
+its shape is right and left out, as transformers ties it again). Mixture-of-
+experts weights that transformers saves per expert are read as the fused
+tensors the model holds (`hf_experts.py`). Weights are
 streamed within the memory budget (`hf_source.py` through `build.write_layout`),
 into a hidden directory next to DST, read back and checksummed, then renamed
 into place: no failure leaves a DST, and the source is never written.
@@ -28,6 +30,7 @@ from pathlib import Path
 from hfsdp.ckpt.build import Progress, write_layout
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.hf_dir import HFDir, read_hf_dir
+from hfsdp.ckpt.hf_experts import fuse_expert_weights, missing_hint
 from hfsdp.ckpt.hf_model import Skeleton, skeleton
 from hfsdp.ckpt.hf_source import HFSource
 from hfsdp.ckpt.index import MAIN, MODEL, TRANSFORMERS, UNSHARDED, CheckpointIndex, meshes_of
@@ -76,6 +79,7 @@ def import_hf(
     ensure_absent(dst, "import")
     hf = read_hf_dir(src)
     model = skeleton(hf.config, str(src / "config.json"), hf.tensors, compute_dtype)
+    hf = fuse_expert_weights(hf, model.parameters)
     _check_tensors(hf, model)
     record = checked_record({"format": TRANSFORMERS, "config": model.config.to_dict()})
     dtypes = {
@@ -121,14 +125,14 @@ def _check_tensors(hf: HFDir, model: Skeleton) -> None:
     what = f"the {model.architecture} its config.json describes"
     fix = (
         "The weights belong to another model, the directory is incomplete, or transformers renames these weights "
-        "while loading (some MoE families, legacy names), which an import does not do; pass a complete directory "
+        "while loading in a way an import does not know (legacy names); pass a complete directory "
         "whose files use the model's own parameter names."
     )
     missing = [name for name in expected if name not in hf.tensors]
     if missing:
         raise CheckpointError(
             f"The Hugging Face directory {hf.path} has no tensor {missing[0]!r}, which {what} has "
-            f"({len(missing)} missing in all). {fix}"
+            f"({len(missing)} missing in all).{missing_hint(missing[0])} {fix}"
         )
     for name, tensor in hf.tensors.items():
         shape = expected.get(name)
