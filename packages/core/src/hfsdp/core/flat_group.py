@@ -223,9 +223,7 @@ class FlatParamGroup:
         inputs: list[torch.Tensor] = []
         microbatch = None
         if self.plan.microbatch_reduce:
-            flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
-            flat[self.numel :].zero_()
-            self._fill(flat, accumulate=False)
+            flat = self._written_grads()
             first = self._grad_buffer is None
             if first:  # the first microbatch reduce-scatters straight into a fresh buffer
                 length = self.grad_range[1] - self.grad_range[0]
@@ -234,10 +232,7 @@ class FlatParamGroup:
             microbatch = (flat, reduced, first)
             inputs += [flat, reduced]
         elif self._grad_buffer is None:  # the step's first microbatch writes its gradients: nothing to add them to
-            buffer = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
-            buffer[self.numel :].zero_()
-            self._fill(buffer, accumulate=False)
-            self._grad_buffer = buffer
+            self._grad_buffer = self._written_grads()
         else:
             self._fill(self._grad_buffer, accumulate=True)
         steps = self._final_steps() if last else []
@@ -295,6 +290,13 @@ class FlatParamGroup:
         if self._reduction_in_flight:
             self.streams.wait("compute", self._reduction_in_flight[0])
             self._reduction_in_flight = ()
+
+    def _written_grads(self) -> torch.Tensor:
+        """A new padded buffer of the reduction dtype holding this microbatch's grads (and zero padding)."""
+        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
+        flat[self.numel :].zero_()
+        self._fill(flat, accumulate=False)
+        return flat
 
     def _fill(self, flat: torch.Tensor, accumulate: bool) -> None:
         """Write (or add) each parameter's grad into its slot, upcast to the reduction dtype; then drop the grads.
