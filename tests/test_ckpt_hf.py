@@ -435,17 +435,21 @@ def moe_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model_type", list(MOE))
-def test_experts_saved_one_per_expert_import_as_the_fused_tensors_the_model_holds(moe_dirs, tmp_path, model_type):
+def test_experts_saved_one_per_expert_round_trip_through_the_fused_tensors(moe_dirs, tmp_path, model_type):
     """transformers 5 writes an MoE layer's experts one 2-D tensor per expert but its model holds them fused in
-    3-D parameters. Imported (HFSDP 3x2), exported and loaded back, every tensor and the logits equal the
-    original model's, with nothing missing or unexpected."""
+    3-D parameters. Imported (HFSDP 3x2) and exported, the files hold save_pretrained's tensors under its names,
+    bit for bit; loaded back, every parameter and the logits equal the original model's, nothing missing."""
     src, original = moe_dirs[model_type]
     on_disk = hf_tensors(src)
     assert any(".experts.0." in name for name in on_disk)
     assert not any(name.endswith("experts.gate_up_proj") for name in on_disk)
     import_hf(src, tmp_path / "ckpt", LayoutConfig(**LAYOUTS["HFSDP 3x2 (world 6)"]))
     verify(tmp_path / "ckpt")
-    export(tmp_path / "ckpt", tmp_path / "out", "fp32")
+    export(tmp_path / "ckpt", tmp_path / "out", "fp32", max_shard_bytes=30_000)
+    exported = hf_tensors(tmp_path / "out")
+    assert set(exported) == set(on_disk)
+    for name, tensor in on_disk.items():
+        assert torch.equal(exported[name], tensor), name
     model, info = load_info(tmp_path / "out")
     assert info["missing_keys"] == info["unexpected_keys"] == set() and not info["mismatched_keys"]
     expected, loaded = original.state_dict(), model.state_dict()

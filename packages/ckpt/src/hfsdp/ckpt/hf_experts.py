@@ -14,11 +14,19 @@ each a contiguous span of its file, and needs no memory for the fusion.
 
 Only the two layouts above are recognised; any other on-disk naming is left
 alone, and the import then names the tensor it misses.
+
+Export goes the other way, as `save_pretrained` does: a fused tensor is
+written as its per-expert parts, each a flat range of it, under the names
+transformers uses for that model type on disk. Those names come from
+transformers' own conversion mapping (`disk_naming`), accepted only when it
+consists of the renames and per-expert layouts above; for anything else the
+fused names are written, which transformers 5 loads as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from hfsdp.ckpt.hf_dir import HFDir, HFTensor
@@ -108,3 +116,72 @@ def missing_hint(name: str) -> str:
         f" It is read from one tensor per expert, {module}experts.<e>.{{{namings}}} (also under "
         f"{_prefixes(module)[-1]} for Mixtral), and at least one of them is missing or has another shape or dtype."
     )
+
+
+# Export ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DiskNaming:
+    """How one model type's experts are named on disk: module renames (model path, disk path), and the
+    per-expert tensor names of each fused parameter suffix."""
+
+    renames: tuple[tuple[str, str], ...]
+    parts: dict[str, tuple[str, ...]]
+
+    def disk_name(self, name: str) -> str:
+        for model_path, disk_path in self.renames:
+            name = name.replace(model_path, disk_path)
+        return name
+
+    def split(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], int, int]] | None:
+        """A fused expert parameter as (disk name, shape, first, stop) of its flattened data, expert by expert;
+        None for any other parameter."""
+        suffix = next((s for s in self.parts if name.endswith("." + s)), None)
+        if suffix is None or len(shape) != 3:
+            return None
+        naming = self.parts[suffix]
+        rows = shape[1] // len(naming)
+        numel = rows * shape[2]
+        module = self.disk_name(name[: -len(suffix)])
+        out, first = [], 0
+        for e in range(shape[0]):
+            for part in naming:
+                out.append((f"{module}experts.{e}.{part}", (rows, shape[2]), first, first + numel))
+                first += numel
+        assert first == math.prod(shape)
+        return out
+
+
+def disk_naming(model_type: str) -> DiskNaming | None:
+    """The on-disk expert naming of `model_type`, read from transformers' conversion mapping; None when it has
+    none or has a rule other than the renames and per-expert layouts this module knows."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        rules = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:  # an older or newer transformers without this mapping: write the fused names
+        return None
+    renames, parts = [], {}
+    for rule in rules:
+        sources, targets = _patterns(rule, "source_patterns"), _patterns(rule, "target_patterns")
+        if len(targets) != 1:
+            return None
+        if type(rule).__name__ == "WeightRenaming":
+            if len(sources) != 1 or (targets[0], sources[0]) not in MODULE_RENAMES:
+                return None
+            renames.append((targets[0], sources[0]))
+            continue
+        suffix = next((s for s in FUSED_EXPERTS if targets[0].endswith(s)), None)
+        names = tuple(src.split("experts.*.", 1)[-1] for src in sources)
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(rule, "operations", [])]
+        expected_ops = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(names) > 1 else [])
+        if suffix is None or names not in FUSED_EXPERTS[suffix] or ops != expected_ops:
+            return None
+        parts[suffix] = names
+    return DiskNaming(tuple(renames), parts) if parts else None
+
+
+def _patterns(rule, attribute: str) -> list[str]:
+    value = getattr(rule, attribute, None)
+    return [value] if isinstance(value, str) else list(value or [])

@@ -12,11 +12,14 @@ The checkpoint's model record says which model its weights are
 Either way the result is checked against the model transformers builds from
 the config (`hf_model.skeleton`, on the meta device): the exported tensors
 must be exactly its tensors with its shapes, so `from_pretrained` finds nothing
-missing and nothing unexpected. They are written in its state-dict order.
+missing and nothing unexpected. They are written in its state-dict order, under
+the names `save_pretrained` would write: fused mixture-of-experts tensors one
+tensor per expert (`hf_experts.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ import torch
 
 from hfsdp.ckpt.errors import CheckpointError
 from hfsdp.ckpt.groups import model_order
+from hfsdp.ckpt.hf_experts import DiskNaming, disk_naming
 from hfsdp.ckpt.hf_model import Skeleton, check_layer_count, skeleton
 from hfsdp.ckpt.index import TRANSFORMERS, CheckpointIndex
 
@@ -60,7 +64,19 @@ def hf_plan(index: CheckpointIndex, src_dir: Path) -> tuple[Skeleton, list[Mappe
     model = skeleton(config, f"the model record of {src_dir}", [m.name for m in mapped])
     _check_same(src_dir, model, {m.name: m.shape for m in mapped})
     position = {name: i for i, name in enumerate(model.order)}
-    return model, sorted(mapped, key=lambda m: position[m.name])
+    mapped.sort(key=lambda m: position[m.name])
+    naming = disk_naming(model.config.model_type)
+    return model, mapped if naming is None else [m for whole in mapped for m in _on_disk(whole, naming)]
+
+
+def _on_disk(mapped: Mapped, naming: DiskNaming) -> list[Mapped]:
+    """One exported tensor under the name transformers saves it with: a fused expert tensor as its per-expert
+    tensors (flat ranges of it), anything else renamed where the model type renames its module on disk."""
+    (start, _), *rest = mapped.ranges
+    parts = naming.split(mapped.name, mapped.shape) if not rest else None
+    if parts is None:
+        return [dataclasses.replace(mapped, name=naming.disk_name(mapped.name))]
+    return [Mapped(name, shape, mapped.source, ((start + a, start + b),)) for name, shape, a, b in parts]
 
 
 def _megatron_plan(index, src_dir: Path, saved: dict[str, tuple[int, ...]]):
