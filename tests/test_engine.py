@@ -659,3 +659,12 @@ def test_sgd_momentum_checkpoint_reshards_onto_another_world(world4, world6):
     params = _assemble([r["sgd resumed"]["pieces"] for r in world6], {n: p.shape for n, p in ref_params.items()})
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_fp16_gradient_reduction_is_refused():
+    """Gradients are summed unscaled before the once-per-step scaling, which needs fp32's range."""
+    from hfsdp.core import MixedPrecision
+
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch.float16\) is not supported"):
+        MixedPrecision(reduce_dtype=torch.float16)
+    assert MixedPrecision(reduce_dtype=torch.bfloat16).reduce_dtype == torch.bfloat16
