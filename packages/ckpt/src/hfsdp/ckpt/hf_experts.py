@@ -93,7 +93,7 @@ def _per_expert(name: str, shape: tuple[int, ...], tensors: dict) -> tuple[list[
     experts = shape[0]
     for module in _prefixes(name[: -len(suffix)]):
         for naming in FUSED_EXPERTS[suffix]:
-            sources = [f"{module}experts.{e}.{part}" for e in range(experts) for part in naming]
+            sources = _expert_names(module, experts, naming)
             if not all(s in tensors for s in sources):
                 continue
             parts = tuple(tensors[s] for s in sources)
@@ -103,6 +103,11 @@ def _per_expert(name: str, shape: tuple[int, ...], tensors: dict) -> tuple[list[
                 continue  # not the model's experts: the import reports the parameter as missing
             return sources, HFConcat(parts, dtypes.pop(), shape)
     return None
+
+
+def _expert_names(module: str, experts: int, naming: tuple[str, ...]) -> list[str]:
+    """The per-expert tensor names of one fused parameter, in the order of its data: expert by expert."""
+    return [f"{module}experts.{e}.{part}" for e in range(experts) for part in naming]
 
 
 def missing_hint(name: str) -> str:
@@ -143,14 +148,9 @@ class DiskNaming:
         naming = self.parts[suffix]
         rows = shape[1] // len(naming)
         numel = rows * shape[2]
-        module = self.disk_name(name[: -len(suffix)])
-        out, first = [], 0
-        for e in range(shape[0]):
-            for part in naming:
-                out.append((f"{module}experts.{e}.{part}", (rows, shape[2]), first, first + numel))
-                first += numel
-        assert first == math.prod(shape)
-        return out
+        names = _expert_names(self.disk_name(name[: -len(suffix)]), shape[0], naming)
+        assert len(names) * numel == math.prod(shape)
+        return [(part, (rows, shape[2]), i * numel, (i + 1) * numel) for i, part in enumerate(names)]
 
 
 def disk_naming(model_type: str) -> DiskNaming | None:
