@@ -294,7 +294,7 @@ def tensor_bytes(tensors) -> int:
 
 
 def gpt_shape(args):
-    from hfsdp.core.megatron.gpt import GPTShape
+    from hfsdp.models.megatron.gpt import GPTShape
 
     return GPTShape(
         num_layers=args.layers,
@@ -326,12 +326,12 @@ def build_model(cfg, shape, device: torch.device, init_groups: bool = True):
     """The same model for every engine, seeded. GPT: megatron-core groups for `cfg` (collective; the plain
     engine, rank 0 alone, reuses the ones already built), re-initialised by name."""
     if not hasattr(shape, "num_layers"):  # a transformers config
-        from hfsdp.core import hf
+        from hfsdp.models import hf
 
         return hf.build_causal_lm(shape, seed=SEED).to(device)
-    from hfsdp.core.megatron.adapter import expert_naming_for, initialize_parallel
-    from hfsdp.core.megatron.cpu_shim import seed_megatron
-    from hfsdp.core.megatron.gpt import build_gpt, reinit_by_global_name
+    from hfsdp.models.megatron.adapter import expert_naming_for, initialize_parallel
+    from hfsdp.models.megatron.cpu_shim import seed_megatron
+    from hfsdp.models.megatron.gpt import build_gpt, reinit_by_global_name
 
     if init_groups:
         initialize_parallel(cfg)
@@ -347,10 +347,10 @@ def units_of(model) -> list:
 
 def loss_of(model, tokens, labels):
     if hasattr(getattr(model, "module", model), "model"):  # a transformers causal LM, sharded or not
-        from hfsdp.core.hf import causal_lm_loss
+        from hfsdp.models.hf import causal_lm_loss
 
         return causal_lm_loss(model, tokens, labels)
-    from hfsdp.core.megatron.gpt import lm_loss
+    from hfsdp.models.megatron.gpt import lm_loss
 
     return lm_loss(model, tokens, labels)
 
@@ -428,7 +428,7 @@ class HfsdpEngine(Engine):
     def __init__(self, args, timers, compute_dtype, cfg, shape, device):
         super().__init__(args, timers, compute_dtype)
         from hfsdp.core import MixedPrecision, build_meshes, fully_shard
-        from hfsdp.core.megatron.adapter import shard_megatron_model
+        from hfsdp.models.megatron.adapter import shard_megatron_model
 
         model = build_model(cfg, shape, device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
@@ -621,7 +621,7 @@ def install_phase_timers(timers: CallTimers) -> None:
 
 def make_batches(shape, count_steps, gbs, microbatches, rank, dp, device):
     """Every step's microbatches for this rank, on the device (built before timing)."""
-    from hfsdp.core.data import SyntheticTokens, microbatch
+    from hfsdp.recipes.data import SyntheticTokens, microbatch
 
     seq = getattr(shape, "seq_length", None) or shape.max_position_embeddings
     data = SyntheticTokens(shape.vocab_size, seq, seed=SEED)
@@ -1088,7 +1088,7 @@ def _main(args, device, rank, world) -> int:
 def run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:
     """The unsharded model (`plain` or `model`) on rank 0 alone; every other rank waits at a barrier."""
     from hfsdp.core.config import LayoutConfig
-    from hfsdp.core.megatron.adapter import initialize_parallel
+    from hfsdp.models.megatron.adapter import initialize_parallel
 
     initialize_parallel(LayoutConfig(world_size=world))  # collective: every rank builds megatron-core's groups
     out = []

@@ -21,8 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hfsdp.ckpt import load_checkpoint, save_checkpoint
 from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, clip_grad_norm_, fully_shard, param_groups
-from hfsdp.core.data import SyntheticTokens, microbatch
-from hfsdp.core.lr_schedule import Schedule, scheduler
+from hfsdp.recipes.data import SyntheticTokens, microbatch
+from hfsdp.recipes.lr_schedule import Schedule, scheduler
 
 VOCAB, SEQ, MICROBATCHES, PER_RANK = 128, 32, 2, 2
 

@@ -6,6 +6,13 @@ load). Offline (one process): `reshard`, `export` (consolidated or Hugging Face)
 `write_from_tensors`. Every failure is a `CheckpointError` whose message names
 the file and the fix. The format is described in docs/checkpoints.md.
 
+The subpackages, each one concern; each imports only those listed before it:
+- `format`: the on-disk format, torch-free (index, schema, headers, checksums, store, staging, verify);
+- `tensors`: flat ranges in and out of safetensors files (torch);
+- `live`: the bridge to a live sharded model (save, load, model/optimizer/RNG state);
+- `hf`: Hugging Face directories in (import) and the names an export writes;
+- `offline`: reshard, export, and writing from full tensors, in one process.
+
 Importing this package stays light: `verify`, `inspect`, `read_index` and
 `resolve` need neither torch nor megatron-core, so `hfsdp ckpt verify` starts at
 once. What needs torch is imported on first use (module `__getattr__`).
@@ -15,21 +22,21 @@ from __future__ import annotations
 
 import importlib
 
-from hfsdp.ckpt.errors import CheckpointError
-from hfsdp.ckpt.index import CheckpointIndex, GroupSpec
-from hfsdp.ckpt.index_file import read_index
-from hfsdp.ckpt.store import resolve
-from hfsdp.ckpt.verify import inspect, verify
+from hfsdp.ckpt.format.errors import CheckpointError
+from hfsdp.ckpt.format.index import CheckpointIndex, GroupSpec
+from hfsdp.ckpt.format.index_file import read_index
+from hfsdp.ckpt.format.store import resolve
+from hfsdp.ckpt.format.verify import inspect, verify
 
 #: Names that need torch, and the module each lives in (no module is named like the function it holds, so a
 #: submodule import can never shadow the function on the package).
 _LAZY = {
-    "export": "hfsdp.ckpt.exporting",
-    "import_hf": "hfsdp.ckpt.importing",
-    "load_checkpoint": "hfsdp.ckpt.load",
-    "reshard": "hfsdp.ckpt.resharding",
-    "save_checkpoint": "hfsdp.ckpt.save",
-    "write_from_tensors": "hfsdp.ckpt.from_tensors",
+    "export": "hfsdp.ckpt.offline.export",
+    "import_hf": "hfsdp.ckpt.hf.import_hf",
+    "load_checkpoint": "hfsdp.ckpt.live.load",
+    "reshard": "hfsdp.ckpt.offline.reshard",
+    "save_checkpoint": "hfsdp.ckpt.live.save",
+    "write_from_tensors": "hfsdp.ckpt.offline.from_tensors",
 }
 
 

@@ -45,9 +45,9 @@ def _wrap_units(cfg: TrainConfig, units) -> None:
 
 
 def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
-    from hfsdp.core import hf
     from hfsdp.core.mesh import build_meshes
     from hfsdp.core.sharded_model import fully_shard
+    from hfsdp.models import hf
 
     config = hf.load_config(cfg.model_config)
     model = hf.build_causal_lm(config, seed=cfg.seed).to(device)
@@ -62,9 +62,9 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
 
 
 def _megatron_gpt(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
-    from hfsdp.core.megatron.adapter import expert_naming_for, initialize_parallel, shard_megatron_model
-    from hfsdp.core.megatron.cpu_shim import seed_megatron
-    from hfsdp.core.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
+    from hfsdp.models.megatron.adapter import expert_naming_for, initialize_parallel, shard_megatron_model
+    from hfsdp.models.megatron.cpu_shim import seed_megatron
+    from hfsdp.models.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
 
     layout = cfg.layout
     initialize_parallel(layout)

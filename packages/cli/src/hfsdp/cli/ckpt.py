@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from hfsdp.ckpt.text import printable
+from hfsdp.ckpt.format.text import printable
 from hfsdp.core.strategy import Strategy  # torch-free
 
 EXIT_OK, EXIT_INVALID_LAYOUT, EXIT_CHECKPOINT = 0, 1, 2
@@ -303,8 +303,8 @@ def inspect(
 
 
 def _print_inspect(info: dict[str, Any]) -> None:
-    from hfsdp.ckpt.checksum import short
-    from hfsdp.ckpt.model_record import describe
+    from hfsdp.ckpt.format.checksum import short
+    from hfsdp.ckpt.format.model_record import describe
 
     console = _console()
     layout = info["layout"]

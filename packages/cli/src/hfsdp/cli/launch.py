@@ -6,7 +6,7 @@ happened: nothing (success: rank 0 printed the summary), "interrupted at step N;
 checkpoint DIR/step-K" (exit 128 + signal), or which rank failed and why (exit 1). torch's
 own logging of the same events is silenced: it repeats tracebacks, or points at ones that do
 not exist. Ranks report their progress and their user-facing errors through a private run
-directory (`worker.RUN_DIR_ENV`).
+directory (`run_dir.RUN_DIR_ENV`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from pathlib import Path
 
 from hfsdp.cli import stopping
 from hfsdp.cli.report import say
+from hfsdp.cli.run_dir import RUN_DIR_ENV, error_file, progress_file
 from hfsdp.cli.train_config import TrainConfig
-from hfsdp.cli.worker import PEER_GONE, RUN_DIR_ENV, entrypoint, error_file
+from hfsdp.cli.worker import PEER_GONE, entrypoint
 
 #: How long ranks get to leave after a signal before the launcher kills what is left.
 GRACE_S = 30
@@ -81,7 +82,7 @@ def launch(cfg: TrainConfig, resumed_from: str | None = None) -> int:
 
 def _last_step(run_dir: Path) -> int | None:
     try:
-        return int(json.loads((run_dir / "progress.json").read_text())["step"])
+        return int(json.loads(progress_file(run_dir).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

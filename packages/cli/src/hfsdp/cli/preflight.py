@@ -64,7 +64,7 @@ def model_settings(cfg: TrainConfig) -> dict[str, Any]:
     """The architecture settings a checkpoint records and a resume must match: the GPT's flags, or the
     shape-fixing fields of --model-config's config.json."""
     if cfg.model_config is not None:
-        from hfsdp.core import hf
+        from hfsdp.models import hf
 
         config = hf.load_config(cfg.model_config).to_dict()
         return {"model_config": {k: config.get(k) for k in HF_ARCH_KEYS}}
@@ -202,7 +202,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
 def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
     """--model-config: a config.json transformers builds into a causal LM with decoder layers, long enough for
     --seq-len, without experts hfsdp would not find."""
-    from hfsdp.core import hf
+    from hfsdp.models import hf
 
     try:
         config = hf.load_config(cfg.model_config)

@@ -18,7 +18,8 @@ from typing import Any
 
 from hfsdp.cli.config_file import FileValues, read_config_file
 from hfsdp.cli.report import shown
-from hfsdp.cli.settings import BY_NAME, RULES, SETTINGS
+from hfsdp.cli.rules import RULES
+from hfsdp.cli.settings import BY_NAME, SETTINGS
 from hfsdp.core.config import ConfigError, LayoutConfig, Problem
 
 FLAG, FILE, DEFAULT, ENV = "flag", "file", "default", "env"

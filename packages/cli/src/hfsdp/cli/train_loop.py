@@ -26,8 +26,8 @@ from hfsdp.cli import stopping
 from hfsdp.cli.preflight import MODEL_KEY, model_settings
 from hfsdp.cli.progress import reporter
 from hfsdp.cli.report import say
+from hfsdp.cli.run_dir import RUN_DIR_ENV, progress_file
 from hfsdp.cli.train_config import TrainConfig
-from hfsdp.cli.worker import RUN_DIR_ENV
 
 #: Where a checkpoint's `extra` records the learning-rate schedule, so that a resume continues it.
 SCHEDULE_KEY = "schedule"
@@ -59,8 +59,8 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
 def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     from hfsdp.cli.build_model import build_model
     from hfsdp.core.clip import clip_grad_norm_, global_grad_norm
-    from hfsdp.core.data import microbatch
     from hfsdp.core.main_params import param_groups
+    from hfsdp.recipes.data import microbatch
 
     layout = cfg.layout
     built = build_model(cfg, device)
@@ -69,7 +69,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     data, held_out = _data(cfg, built.vocab_size)
     start, settings = _maybe_load(cfg, sharded, opt, rank)
     schedule = _schedule(settings, opt, start)
-    progress = Path(os.environ[RUN_DIR_ENV]) / "progress.json" if RUN_DIR_ENV in os.environ else None
+    progress = progress_file(os.environ[RUN_DIR_ENV]) if RUN_DIR_ENV in os.environ else None
 
     metrics = open(cfg.metrics, "a" if start else "w") if (cfg.metrics and rank == 0) else None  # noqa: SIM115
     count, times, loss_value, saved = cfg.num_microbatches, [], float("nan"), []
@@ -152,7 +152,7 @@ class _Silent:
 
 def _data(cfg: TrainConfig, vocab_size: int):
     """The training stream and, with --eval-interval, a held-out stream it never shows."""
-    from hfsdp.core.data import IndexedTokens, SyntheticTokens
+    from hfsdp.recipes.data import IndexedTokens, SyntheticTokens
 
     data = IndexedTokens(cfg.data_path, cfg.seq_len) if cfg.data_path else SyntheticTokens(vocab_size, cfg.seq_len)
     if cfg.eval_interval is None:
@@ -195,7 +195,7 @@ def schedule_settings(cfg: TrainConfig, saved: dict | None) -> tuple[dict, list[
 
 def _schedule(settings: dict, opt, start: int):
     """Megatron's warmup + decay as a LambdaLR over every parameter group, positioned after `start` steps."""
-    from hfsdp.core.lr_schedule import Schedule, scheduler
+    from hfsdp.recipes.lr_schedule import Schedule, scheduler
 
     schedule = Schedule(
         settings["lr"], settings["min_lr"], settings["warmup_iters"], settings["decay_iters"], settings["style"]
@@ -206,7 +206,7 @@ def _schedule(settings: dict, opt, start: int):
 @torch.no_grad()
 def _evaluate(cfg: TrainConfig, built, held_out, device: torch.device, rank: int) -> float:
     """Mean loss over --eval-iters global batches of held-out data (collective)."""
-    from hfsdp.core.data import microbatch
+    from hfsdp.recipes.data import microbatch
 
     layout, count = cfg.layout, cfg.num_microbatches
     total = torch.zeros((), device=device)

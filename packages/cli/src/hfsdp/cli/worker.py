@@ -19,23 +19,17 @@ import os
 import sys
 import traceback
 import warnings
-from pathlib import Path
 
 import torch.distributed as dist
 
 from hfsdp.ckpt import CheckpointError
 from hfsdp.cli import stopping
 from hfsdp.cli.report import say
+from hfsdp.cli.run_dir import RUN_DIR_ENV, error_file
 from hfsdp.cli.train_config import TrainConfig
 
-#: Set by the launcher: a private directory where rank 0 records its progress and ranks leave user-facing errors.
-RUN_DIR_ENV = "HFSDP_RUN_DIR"
 #: Text of the errors a collective raises when a peer process is gone.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Gloo", "NCCL", "timed out")
-
-
-def error_file(run_dir: str | Path, rank: int) -> Path:
-    return Path(run_dir) / f"error-rank-{rank}.txt"
 
 
 def entrypoint(cfg: TrainConfig) -> None:

@@ -40,9 +40,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hfsdp.core import collectives as comm
+from hfsdp.core.comm_plan import plan_for
 from hfsdp.core.layout import MeshLayout
 from hfsdp.core.placement import State
-from hfsdp.core.plan import plan_for
 from hfsdp.core.streams import SyncStreams
 
 

@@ -1,0 +1,172 @@
+"""Load a checkpoint into a ShardedModel of any layout (reshard on load).
+
+Each rank reads, for each of its main params (the pieces of parameters its
+optimizer steps), only those elements of "main" and of each optimizer state
+through lazy slices; the range arithmetic is the same as the offline reshard's
+(`pieces.py`). Main weights are read in place; optimizer states go to the
+optimizer through its own `load_state_dict` (`optim_state.restore`). Experts are looked up by global name, so ep
+may change. The compute-dtype weights are not read: they are re-derived from
+the fp32 main weights with `publish_main_weights`, exactly as after an optimizer
+step, so parameters and main weights always agree and a same-layout resume is
+bit-identical. The module's unsharded tensors (persistent buffers, frozen
+parameters) are read whole and copied into the module on every rank.
+
+Before anything is touched, the checkpoint passes every reader's checks: the
+index through `index_file.read_index` (its checksum, schema and structure),
+every file's presence and size, and for the files this rank reads their
+headers and checksums (`files.check_files`); the RNG state is read and checked
+too. Every check that can fail does so on all ranks together (the checks run on
+gathered data, and every error is exchanged before the first collective of the
+engine), so a bad checkpoint raises a CheckpointError everywhere, and only a
+CheckpointError, instead of leaving ranks waiting or a model half-loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hfsdp.ckpt.format.errors import CheckpointError
+from hfsdp.ckpt.format.files import check_files, check_present
+from hfsdp.ckpt.format.index import MAIN, UNSHARDED, CheckpointIndex
+from hfsdp.ckpt.format.index_file import read_index
+from hfsdp.ckpt.format.store import resolve
+from hfsdp.ckpt.live import optim_state
+from hfsdp.ckpt.live import rng as rng_states
+from hfsdp.ckpt.live.agree import agree
+from hfsdp.ckpt.live.model_state import local_groups, unsharded_state
+from hfsdp.ckpt.tensors.reader import CheckpointReader
+from hfsdp.ckpt.tensors.writer import torch_dtype
+
+
+def load_checkpoint(
+    path: str | Path, model, optimizer=None, *, restore_rng: bool = True, verify_checksums: bool = True
+) -> dict[str, Any]:
+    """Load `path` (a checkpoint, or a root whose `latest` names one) into `model` and `optimizer`; collective.
+
+    Returns the `extra` dict given to `save_checkpoint`, with "step" added when
+    it was not there. RNG states are restored only when the world size is the
+    one the checkpoint was saved with (rank r gets rank r's state). Every file
+    of the checkpoint must be present with its recorded size; the files this
+    rank reads are checksummed unless `verify_checksums` is False.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt_dir, index = agree(lambda: _open(path))
+    module_tensors = unsharded_state(model)
+    mine = agree(lambda: ([m for g in local_groups(model, rank) for m in g.members], _shapes(module_tensors)))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    agree(lambda: _check_model(ckpt_dir, index, [g[0] for g in gathered]))
+    if optimizer is not None:
+        agree(lambda: optim_state.check_matches(optimizer, model, index.optimizer, str(ckpt_dir)))
+    agree(lambda: _check_unsharded(ckpt_dir, index, [g[1] for g in gathered]))
+    rng_meta = index.rng.get(str(rank)) if restore_rng and index.layout["world_size"] == world else None
+    # Two steps, each agreed: no rank touches its model until every rank's files and RNG state passed.
+    plan, rng = agree(lambda: _prepare(ckpt_dir, index, model, optimizer, module_tensors, rng_meta, verify_checksums))
+    states = agree(lambda: _fill(ckpt_dir, index, model, module_tensors, plan))
+
+    for group in model.groups:  # collective: every rank, every group, model order
+        group.publish_main_weights()
+    if optimizer is not None:
+        optim_state.restore(optimizer, model, index.optimizer, states)
+    if rng is not None:
+        rng_states.restore(rng)
+    extra = dict(index.extra)
+    extra.setdefault("step", index.step)
+    return extra
+
+
+def _open(path) -> tuple[Path, CheckpointIndex]:
+    ckpt_dir = resolve(path)
+    return ckpt_dir, read_index(ckpt_dir)
+
+
+def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered) -> None:
+    """The model and the checkpoint must have the same parameters with the same shapes."""
+    model_shapes = {name: tuple(shape) for members in gathered for name, shape in members}
+    saved = {name: tuple(entry.shape) for name, entry in index.tensors.get(MAIN, {}).items()}
+    _same_tensors(ckpt_dir, model_shapes, saved, "parameter")
+
+
+def _check_unsharded(ckpt_dir: Path, index: CheckpointIndex, gathered) -> None:
+    """The model's buffers and frozen parameters (over all ranks) are exactly the checkpoint's, shapes included."""
+    model_shapes = {name: tuple(shape) for members in gathered for name, shape in members}
+    saved = {name: tuple(entry.shape) for name, entry in index.unsharded.items()}
+    _same_tensors(ckpt_dir, model_shapes, saved, "buffer or frozen parameter")
+
+
+def _same_tensors(ckpt_dir: Path, model_shapes: dict, saved: dict, what: str) -> None:
+    """Raise for the first tensor the checkpoint lacks, has of another shape, or has beyond the model's."""
+    missing = sorted(set(model_shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(model_shapes))
+    wrong = sorted(n for n in set(model_shapes) & set(saved) if saved[n] != model_shapes[n])
+    hint = "it is a checkpoint of another model. Load it into the model that saved it."
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint {ckpt_dir} has no {what} '{missing[0]}' of the model ({len(missing)} missing in all); "
+            + hint
+        )
+    if wrong:
+        name = wrong[0]
+        raise CheckpointError(
+            f"{what[0].upper()}{what[1:]} '{name}' has shape {list(model_shapes[name])} in the model but "
+            f"{list(saved[name])} in the checkpoint {ckpt_dir} ({len(wrong)} shape mismatches in all); " + hint
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"The checkpoint {ckpt_dir} has {what} '{unexpected[0]}', which the model lacks "
+            f"({len(unexpected)} unexpected in all); " + hint
+        )
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(t.shape)) for name, t in tensors.items()]
+
+
+def _prepare(
+    ckpt_dir: Path,
+    index: CheckpointIndex,
+    model,
+    optimizer,
+    module_tensors: dict[str, torch.Tensor],
+    rng_meta: dict | None,
+    checksums: bool,
+) -> tuple[list, rng_states.RngState | None]:
+    """What this rank reads, after checking every file it reads (headers, checksums; all files' sizes) and
+    reading its RNG state: (plan, RNG state). Nothing of the model is touched yet."""
+    plan = []  # (kind, global name, start in the flat tensor, destination)
+    states = index.optimizer["states"] if optimizer is not None else []
+    for piece in model.main_params:
+        plan.append((MAIN, piece.name, piece.start, piece.param.detach().view(-1)))  # read in place
+        for kind in states:
+            dtype = torch_dtype(index.tensors[kind][piece.name].dtype)
+            plan.append((kind, piece.name, piece.start, torch.empty(piece.param.numel(), dtype=dtype)))
+    for name, tensor in module_tensors.items():
+        plan.append((UNSHARDED, name, 0, torch.empty(tensor.numel(), dtype=torch_dtype(index.unsharded[name].dtype))))
+    reader = CheckpointReader(ckpt_dir, index)
+    files = {rng_meta["file"]} if rng_meta else set()
+    for kind, name, start, out in plan:
+        files |= reader.files_for(kind, name, start, start + out.numel())
+    check_present(ckpt_dir, index)
+    check_files(ckpt_dir, index, files, checksums=checksums)
+    return plan, rng_states.read(ckpt_dir, rng_meta) if rng_meta else None
+
+
+def _fill(ckpt_dir: Path, index: CheckpointIndex, model, module_tensors, plan) -> dict[tuple[str, str], torch.Tensor]:
+    """Read the planned ranges into the main weights and the module's unsharded tensors; return the optimizer
+    states read, by (kind, global name)."""
+    states = {}
+    model.wait_for_weights()  # the last step's gathers may still read the main weights
+    with CheckpointReader(ckpt_dir, index) as reader, torch.no_grad():
+        for group in model.groups:
+            group.main.zero_()  # padding stays zero
+        for kind, name, start, out in plan:
+            reader.read_into(kind, name, start, out)
+            if kind == UNSHARDED:
+                module_tensors[name].copy_(out.view(module_tensors[name].shape))
+            elif kind != MAIN:
+                states[kind, name] = out
+    return states

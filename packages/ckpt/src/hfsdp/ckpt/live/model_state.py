@@ -1,0 +1,104 @@
+"""What a checkpoint needs from a live ShardedModel and optimizer, in checkpoint terms.
+
+This is the only module that knows the engine's objects: every group as a
+`GroupSpec` under global names, the piece of every tensor this rank holds, and the module tensors the engine leaves
+alone (the optimizer's state is `optim_state.py`'s). Save and load speak to the
+engine only through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hfsdp.ckpt.format.errors import CheckpointError
+from hfsdp.ckpt.format.index import MAIN, MODEL, GroupSpec
+from hfsdp.ckpt.tensors.writer import dtype_name
+
+
+def ep_rank_of(model, rank: int) -> int:
+    return rank % model.config.ep
+
+
+def local_groups(model, rank: int) -> list[GroupSpec]:
+    """This rank's groups, in model order, under global names."""
+    if model.config.ep > 1 and model.expert_naming is None and any(g.is_expert for g in model.groups):
+        raise CheckpointError(
+            f"The model has expert parameters and ep = {model.config.ep}, but no ExpertNaming: their local names "
+            "collide across expert-parallel ranks, so they cannot be checkpointed. Pass "
+            "expert_naming=ExpertNaming(num_experts, ep, ep_rank) to fully_shard."
+        )
+    return [
+        GroupSpec(
+            g.unit_index,
+            g.is_expert,
+            dtype_name(g.compute_dtype),
+            ep_rank_of(model, rank) if g.is_expert else None,
+            tuple((model.global_name(g, s.name), tuple(s.shape)) for s in g.slots),
+        )
+        for g in model.groups
+    ]
+
+
+def local_order(model) -> list[str]:
+    """Global names of this rank's parameters and unsharded tensors in the module's state-dict order."""
+    names = {s.name: model.global_name(g, s.name) for g in model.groups for s in g.slots}
+    unsharded = dict(_unsharded_items(model))
+    return [
+        names.get(n) or unsharded[n][0] for n in model.module.state_dict(keep_vars=True) if n in names or n in unsharded
+    ]
+
+
+def unsharded_state(model) -> dict[str, torch.Tensor]:
+    """The module's tensors the engine does not shard, by global name: the module's own tensor objects.
+
+    These are the entries of `state_dict()` that are not sharded parameters:
+    persistent buffers (running statistics, counters) and frozen parameters.
+    The engine keeps them whole on every rank, so they are checkpointed whole;
+    dense ones are assumed equal on every rank (rank 0's are saved), expert ones
+    equal within an expert-parallel rank's replicas. Non-tensor extra state is
+    not saved.
+    """
+    return dict(_unsharded_items(model).values())
+
+
+def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """local state-dict name -> (global name, tensor) of every unsharded tensor.
+
+    A tied parameter (a causal LM's `lm_head.weight` that is `embed_tokens.weight`)
+    is one entry of the state dict per name but one sharded parameter, held
+    under its first name: its other names are aliases, not tensors of their own.
+    """
+    sharded = {s.name for g in model.groups for s in g.slots}
+    sharded_ids = {id(s.param) for g in model.groups for s in g.slots}
+    naming = model.expert_naming
+    out = {}
+    for name, value in model.module.state_dict(keep_vars=True).items():
+        if name in sharded or not isinstance(value, torch.Tensor) or id(value) in sharded_ids:
+            continue
+        out[name] = (naming.to_global(name) if naming is not None else name, value)
+    return out
+
+
+def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -> dict[tuple[str, str], torch.Tensor]:
+    """This rank's piece of each tensor, by (kind, global name), as 1-D tensors, in model order.
+
+    A piece is a main param's range of its parameter: what this rank's optimizer
+    steps, and exactly what the save plan has it write and the load plan has it
+    read. "model" is the compute-dtype copy (a fresh cast where the engine keeps
+    none), "main" the fp32 main param itself (so loading into it is in place),
+    every other kind the optimizer's per-element state (`kinds` limits them).
+    Waits first for the post-step gathers, which may still read the main weights.
+    """
+    model.wait_for_weights()
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    for group in model.groups:
+        shard = group.compute_shard()
+        for piece in group.main_params:
+            start = group.optim_range[0] + piece.offset - group.param_range[0]
+            out[MODEL, piece.name] = shard[start : start + piece.param.numel()]
+            out[MAIN, piece.name] = piece.param.detach().view(-1)
+            state = optimizer.state.get(piece.param, {}) if optimizer is not None else {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and (kinds is None or key in kinds):
+                    out[key, piece.name] = value.detach().view(-1)
+    return out

@@ -1,0 +1,224 @@
+"""A `torch.optim` optimizer's state in checkpoint terms: per-element kinds, per-parameter scalars, groups.
+
+Each rank's optimizer steps its main params: pieces `[start, stop)` of parameters
+(see `hfsdp.core.main_params`). Its state splits three ways, and each is stored so
+that it reshards:
+
+- per-element tensors (AdamW's `exp_avg`, SGD's `momentum_buffer`): one more
+  state *kind*, stored exactly like the main weights, piece by piece;
+- per-parameter scalars (AdamW's `step`): the same for every piece of a
+  parameter, stored once per global name in the index;
+- parameter groups: their hyper-parameters, and which global names each holds.
+
+A state tensor of any other shape (Adafactor's row and column factors) belongs to
+a whole tensor, not to elements, so it cannot be cut at other boundaries; saving
+it is refused with that reason.
+
+The index's optimizer record is `{"type", "param_groups": [{"hyper", "params"}],
+"states", "scalars": {key: {"tensor", "values": {name: number}}}}`. On load,
+numeric hyper-parameters (lr, betas, eps, weight decay, ...) come from the
+checkpoint, as `Optimizer.load_state_dict` does; switches (foreach, fused,
+capturable, names) stay those of the optimizer the caller built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hfsdp.ckpt.format.errors import CheckpointError
+
+Report = dict[str, Any]
+
+
+def _json_value(value: Any) -> Any:
+    """A hyper-parameter as JSON: numbers, bools, strings and None as they are, tuples and lists of numbers as
+    lists, 0-d tensors as numbers; anything else is left out (returns ...)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int | float):
+        return value if math.isfinite(value) else ...
+    if isinstance(value, list | tuple) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return ...
+
+
+def _members(optimizer, model):
+    """(group index, parameter, its MainParam) of every parameter the optimizer steps; anything that is not one of
+    the model's main params cannot be checkpointed by name, and is refused."""
+    pieces = {id(p.param): p for p in model.main_params}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            piece = pieces.get(id(param))
+            if piece is None:
+                raise CheckpointError(
+                    f"Parameter group {index} of the optimizer holds a tensor that is not one of the model's main "
+                    "params; build the optimizer from model.named_main_params() or hfsdp.core.param_groups(model), "
+                    "so that its state can be checkpointed and resharded."
+                )
+            yield index, param, piece
+
+
+def local_report(model, optimizer) -> Report:
+    """What this rank's optimizer holds, for the record: its groups, per-element kinds and per-parameter scalars."""
+    groups = [{"hyper": _hyper(group), "names": []} for group in optimizer.param_groups]
+    kinds, scalars, stateless = {}, {}, []
+    for index, param, piece in _members(optimizer, model):
+        groups[index]["names"].append(piece.name)
+        state = optimizer.state.get(param, {})
+        if not state:
+            stateless.append(piece.name)
+        for key, value in state.items():
+            _sort_state(piece, key, value, kinds, scalars)
+    return {
+        "type": type(optimizer).__name__,
+        "groups": groups,
+        "kinds": kinds,
+        "scalars": scalars,
+        "stateless": stateless,
+    }
+
+
+def _hyper(group: dict) -> dict[str, Any]:
+    """A parameter group's settings that JSON can hold (everything but its parameters)."""
+    return {k: v for k, v in ((k, _json_value(v)) for k, v in group.items() if k != "params") if v is not ...}
+
+
+def _sort_state(piece, key: str, value: Any, kinds: dict, scalars: dict) -> None:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if value.numel() != piece.param.numel():
+            raise CheckpointError(
+                f"The optimizer's state '{key}' of '{piece.name}' has shape {list(value.shape)}, not one value per "
+                f"element ({piece.param.numel()}): it belongs to the whole tensor (as Adafactor's factored moments "
+                "do), so it cannot be cut into pieces and resharded. Checkpoint with an elementwise optimizer "
+                "(AdamW, SGD, ...), or save the optimizer's own state_dict yourself."
+            )
+        kinds[key] = str(value.dtype).removeprefix("torch.")
+        return
+    number = value.item() if isinstance(value, torch.Tensor) else value
+    if isinstance(number, bool) or not isinstance(number, int | float) or not math.isfinite(number):
+        raise CheckpointError(
+            f"The optimizer's state '{key}' of '{piece.name}' is {type(value).__name__} {value!r}, which is neither a "
+            "tensor per element nor a finite number; hfsdp cannot checkpoint it."
+        )
+    entry = scalars.setdefault(key, {"tensor": isinstance(value, torch.Tensor), "values": {}})
+    entry["values"].setdefault(piece.name, number)
+
+
+def merge_reports(reports: list[Report | None]) -> dict[str, Any] | None:
+    """The index's optimizer record from every rank's report (None: saved without an optimizer)."""
+    if all(r is None for r in reports):
+        return None
+    if any(r is None for r in reports):
+        raise CheckpointError("Some ranks saved with an optimizer and some without; pass the optimizer on every rank.")
+    types = {r["type"] for r in reports}
+    if len(types) != 1 or len({len(r["groups"]) for r in reports}) != 1:
+        raise CheckpointError(
+            "The ranks' optimizers differ (class or number of parameter groups); build the same optimizer on every "
+            "rank."
+        )
+    kinds: dict[str, str] = {}
+    for r in reports:
+        for key, dtype in r["kinds"].items():
+            if kinds.setdefault(key, dtype) != dtype:
+                raise CheckpointError(f"The optimizer's state '{key}' has different dtypes on different ranks.")
+    stepped = [r for r in reports if r["kinds"] or r["scalars"]]
+    lacking = next((name for r in reports for name in r["stateless"]), None)
+    if stepped and lacking is not None:
+        raise CheckpointError(
+            f"The optimizer has state for some parameters but none for '{lacking}' (it never had a gradient when "
+            "the optimizer stepped); hfsdp checkpoints an optimizer whose every parameter has state, or none."
+        )
+    groups, owner = [], {}
+    for index in range(len(reports[0]["groups"])):
+        names: list[str] = []
+        for r in reports:
+            for name in r["groups"][index]["names"]:
+                if owner.setdefault(name, index) != index:
+                    raise CheckpointError(
+                        f"Pieces of '{name}' are in parameter groups {owner[name]} and {index}; every piece of a "
+                        "parameter must be in the same group (hfsdp.core.param_groups groups by name)."
+                    )
+                if name not in names:
+                    names.append(name)
+        groups.append({"hyper": reports[0]["groups"][index]["hyper"], "params": names})
+    scalars: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        for key, entry in r["scalars"].items():
+            merged = scalars.setdefault(key, {"tensor": entry["tensor"], "values": {}})
+            for name, value in entry["values"].items():
+                merged["values"].setdefault(name, value)
+    return {"type": types.pop(), "param_groups": groups, "states": sorted(kinds), "scalars": scalars}
+
+
+def state_dtypes(reports: list[Report | None]) -> dict[str, str]:
+    return {k: v for r in reports if r is not None for k, v in r["kinds"].items()}
+
+
+def check_matches(optimizer, model, record: dict[str, Any] | None, source: str) -> None:
+    """Refuse a checkpoint saved without an optimizer, with another class, or with other parameter groups."""
+    if record is None:
+        raise CheckpointError(
+            f"The checkpoint {source} holds no optimizer state (it was saved without an optimizer, or imported); "
+            "load it with optimizer=None and start the optimizer fresh."
+        )
+    if record["type"] != type(optimizer).__name__:
+        raise CheckpointError(
+            f"The checkpoint {source} was saved with {record['type']}, but the optimizer is "
+            f"{type(optimizer).__name__}; use the same optimizer class, or load with optimizer=None."
+        )
+    saved = record["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"The checkpoint {source} has {len(saved)} optimizer parameter group(s), the optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer's groups as the run that saved it did."
+        )
+    where = {name: i for i, group in enumerate(saved) for name in group["params"]}
+    for index, _, piece in _members(optimizer, model):
+        if where.get(piece.name, index) != index:
+            raise CheckpointError(
+                f"'{piece.name}' is in optimizer parameter group {index}, but in group {where[piece.name]} in the "
+                f"checkpoint {source}; build the optimizer's groups as the run that saved it did."
+            )
+
+
+def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor]) -> None:
+    """Give `optimizer` the checkpoint's numeric hyper-parameters and its state for this rank's main params.
+
+    `tensors` holds this rank's piece of every per-element kind, by (kind, global
+    name). The state goes in through `Optimizer.load_state_dict`, so the optimizer
+    puts each tensor on the device and in the dtype it wants (AdamW keeps `step`
+    on the CPU unless fused or capturable), exactly as for its own state dicts.
+    """
+    for group, saved in zip(optimizer.param_groups, record["param_groups"], strict=True):
+        for key, value in saved["hyper"].items():
+            if key in group and _is_numeric(value):
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    pieces = {id(p.param): p for p in model.main_params}
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group in optimizer.param_groups:
+        ids = []
+        for param in group["params"]:
+            piece = pieces[id(param)]
+            entry = {kind: tensors[kind, piece.name].view(param.shape) for kind in record["states"]}
+            for key, scalar in record["scalars"].items():
+                value = scalar["values"][piece.name]
+                entry[key] = torch.tensor(float(value), dtype=torch.float32) if scalar["tensor"] else value
+            if entry:
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _is_numeric(value: Any) -> bool:
+    if isinstance(value, list):
+        return bool(value) and all(_is_numeric(v) for v in value)
+    return isinstance(value, int | float) and not isinstance(value, bool)

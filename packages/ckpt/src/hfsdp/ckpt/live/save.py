@@ -1,0 +1,277 @@
+"""Online save: every rank writes its own file, rank 0 writes the index, one rename publishes it.
+
+1. Ranks exchange their group structures (expert groups differ per ep rank) and
+   plan the writes: each piece of each parameter is written once, by one of the
+   replicas that hold it (`pieces.plan_writes`).
+2. Rank 0 makes `ROOT/.tmp-step-N-<nonce>/` (and holds it locked, see
+   `staging.py`); each rank streams its pieces of every state kind, the
+   unsharded module tensors it owns (buffers, frozen parameters: rank 0 the
+   dense ones) and its RNG state into `rank-XXXXX.safetensors`, fsyncs.
+3. Ranks exchange checksums (or errors). Rank 0 writes `index.json` and its
+   checksum, fsyncs, renames the directory to `ROOT/step-N/`, then replaces
+   `ROOT/latest`.
+4. Rank 0 tells everyone how it went, so every rank returns or raises together.
+
+A crash before the rename leaves only a hidden temporary directory (removed by
+the next save); a crash after it leaves a complete checkpoint that `latest`
+does not name yet: unpublished (`store.py`). Readers of the root keep using the
+step `latest` names, and a later save of the same step replaces the orphan: it
+is moved aside just before the new directory is renamed into place, and
+removed once `latest` names the new one. A published step is never replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hfsdp.ckpt.format.errors import CheckpointError
+from hfsdp.ckpt.format.fields import INT64_MAX
+from hfsdp.ckpt.format.groups import canonical_groups, merged_order
+from hfsdp.ckpt.format.index import MAIN, MODEL, CheckpointIndex, TensorEntry, meshes_of
+from hfsdp.ckpt.format.index_file import write_index
+from hfsdp.ckpt.format.model_record import checked_record
+from hfsdp.ckpt.format.names import entry_kind
+from hfsdp.ckpt.format.pieces import file_name, plan_writes, unsharded_owner
+from hfsdp.ckpt.format.staging import Staging, clean_stale, publish_dir, remove_quietly, staging_pattern
+from hfsdp.ckpt.format.store import LATEST, TMP_PREFIX, atomic_write_text, is_unpublished, latest_step, step_dir_name
+from hfsdp.ckpt.live import optim_state
+from hfsdp.ckpt.live import rng as rng_states
+from hfsdp.ckpt.live.agree import agree, as_checkpoint_error
+from hfsdp.ckpt.live.model_state import local_groups, local_order, piece_tensors, unsharded_state
+from hfsdp.ckpt.tensors.build import file_entries, index_tensors, index_unsharded, plan_unsharded
+from hfsdp.ckpt.tensors.writer import TensorFileWriter, dtype_name
+
+#: What killed saves leave in a root: staging directories, orphans moved aside, temporary `latest` files.
+LEFTOVERS = staging_pattern(r"(?:step-[0-9]+(?:-replaced)?|latest)")
+
+
+def save_checkpoint(
+    root: str | Path,
+    model,
+    optimizer=None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    save_rng: bool = True,
+    model_record: dict[str, Any] | None = None,
+) -> Path:
+    """Save `model` (and `optimizer`) as `root/step-{step}` and point `root/latest` at it; collective.
+
+    `extra` (JSON-serialisable: data position, scheduler state, ...) comes back
+    from `load_checkpoint`. `model_record` says which model the weights are
+    ({"format": "transformers", "config": hf_config.to_dict()} or {"format":
+    "megatron-gpt", "config": shape.record()}), so that `export` can write a
+    Hugging Face directory (`model_record.py`). Returns the checkpoint
+    directory on every rank.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(root)
+    agree(lambda: _check_step(step))
+    record = agree(lambda: checked_record(model_record))
+    final = root / step_dir_name(step)
+    module_tensors = unsharded_state(model)
+    mine = agree(
+        lambda: (
+            local_groups(model, rank),
+            local_order(model),
+            _specs(module_tensors),
+            None if optimizer is None else optim_state.local_report(model, optimizer),
+        )
+    )
+    reports = [None] * world
+    dist.all_gather_object(reports, mine)
+    groups = canonical_groups([r[0] for r in reports], model.config.ep)
+    order = merged_order([reports[e][1] for e in range(model.config.ep)])
+    unsharded = agree(lambda: _unsharded_specs(model.config, [r[2] for r in reports]))
+    plan = plan_writes(model.config, groups)
+    optim_record = agree(lambda: optim_state.merge_reports([r[3] for r in reports]))
+    kinds = [MODEL, MAIN, *(optim_record["states"] if optim_record else [])]
+    dtypes = _dtypes(groups, optim_state.state_dtypes([r[3] for r in reports]))
+
+    stage = _make_staging(root, final, step) if rank == 0 else None
+    tmp_name = [stage.path.name if isinstance(stage, Staging) else stage]
+    dist.broadcast_object_list(tmp_name, src=0)
+    if isinstance(tmp_name[0], CheckpointError):
+        raise tmp_name[0]
+    tmp = root / tmp_name[0]
+    try:
+        try:
+            rng = rng_states.capture() if save_rng else ({}, {})
+            owned = {name: module_tensors[name] for name in plan_unsharded(model.config, unsharded).get(rank, {})}
+            result: Any = _write_rank_file(tmp, model, optimizer, rank, plan[rank], kinds, dtypes, rng, owned)
+        except Exception as err:
+            reason = err if isinstance(err, CheckpointError | OSError) else f"{type(err).__name__}: {err}"
+            result = CheckpointError(
+                f"Rank {rank} could not write its file in {tmp} ({reason}); nothing was published and the previous "
+                "checkpoint is still the latest. Check free space and rights on that rank's node, then save again."
+            )
+        results = [None] * world
+        dist.all_gather_object(results, result)
+
+        status: list[Any] = [None]
+        if rank == 0:
+            try:
+                index = CheckpointIndex(
+                    step=step,
+                    layout=model.config.to_dict(),
+                    meshes=meshes_of(model.config),
+                    extra=dict(extra or {}),
+                    optimizer=optim_record,
+                    groups=groups,
+                    tensors={},
+                    files={},
+                    order=order,
+                    unsharded=index_unsharded(model.config, unsharded),
+                    model=record,
+                )
+                status[0] = _publish(root, tmp, final, index, (plan, kinds, dtypes), results)
+            except Exception as err:  # never leave the other ranks waiting for the broadcast
+                remove_quietly(tmp)
+                status[0] = as_checkpoint_error(err)
+        dist.broadcast_object_list(status, src=0)
+    finally:
+        if isinstance(stage, Staging):
+            stage.release()
+    if isinstance(status[0], CheckpointError):
+        raise status[0]
+    return final
+
+
+def _check_step(step) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT64_MAX:
+        raise CheckpointError(f"The step to save must be a non-negative whole number, got {step!r}.")
+
+
+def _make_staging(root: Path, final: Path, step: int) -> Staging | CheckpointError:
+    """Rank 0: refuse a published `final`, clear what killed saves left, and make (and lock) the staging directory."""
+    try:
+        kind = entry_kind(final)
+        if kind not in (None, "dir"):
+            return CheckpointError(
+                f"{final} exists and is not a directory but a {kind}; a save never replaces it. Remove it, or save "
+                "under another step."
+            )
+        if kind == "dir" and not is_unpublished(root, step):
+            return CheckpointError(
+                f"{final} already exists and is published ('{LATEST}' names step {latest_step(root)}); a save never "
+                "overwrites a published checkpoint. Save under another step, or delete the old directory first."
+            )
+        clean_stale(root, LEFTOVERS)
+        return Staging.create(root, f"step-{step}")
+    except CheckpointError as err:
+        return err
+    except OSError as err:
+        return CheckpointError(f"Cannot create a checkpoint directory in {root} ({err}); check the path and rights.")
+
+
+def _dtypes(groups, state_dtypes: dict[str, str]) -> dict[tuple[str, str], str]:
+    """dtype of every (kind, global name): the group's compute dtype for "model", fp32 for "main", the
+    optimizer's for its states."""
+    out = {}
+    for group in groups:
+        for name, _ in group.members:
+            out[MODEL, name] = group.dtype
+            out[MAIN, name] = "float32"
+            for kind, dtype in state_dtypes.items():
+                out[kind, name] = dtype
+    return out
+
+
+def _specs(tensors: dict[str, torch.Tensor]) -> dict[str, TensorEntry]:
+    return {name: TensorEntry(tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()}
+
+
+def _unsharded_specs(cfg, reports: list[dict[str, TensorEntry]]) -> dict[str, TensorEntry]:
+    """Every rank's unsharded tensors merged; the rank that writes each one must hold it, all with one shape."""
+    merged: dict[str, TensorEntry] = {}
+    for rank, specs in enumerate(reports):
+        for name, spec in specs.items():
+            seen = merged.setdefault(name, spec)
+            if (seen.shape, seen.dtype) != (spec.shape, spec.dtype):
+                raise CheckpointError(
+                    f"The module tensor '{name}' (a buffer or frozen parameter) is {seen.dtype} {list(seen.shape)} "
+                    f"on one rank but {spec.dtype} {list(spec.shape)} on rank {rank}; every rank must build the same "
+                    "model. Fix the model construction so all ranks agree."
+                )
+    for name in merged:
+        owner = unsharded_owner(cfg, name)
+        if name not in reports[owner]:
+            raise CheckpointError(
+                f"The module tensor '{name}' (a buffer or frozen parameter) exists on some ranks but not on rank "
+                f"{owner}, which saves it; every rank must build the same model (experts: every rank of an "
+                "expert-parallel rank). Fix the model construction so all ranks agree."
+            )
+    return merged
+
+
+def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, owned) -> dict[str, Any] | None:
+    """Stream this rank's planned pieces of every kind, the unsharded tensors it owns (`owned`: global name ->
+    module tensor), then its RNG state (`rng`: the tensors and index record of `rng.capture`); return the file's
+    metadata and its RNG record."""
+    rng, rng_meta = rng
+    entries = file_entries(items, kinds, dtypes, rng, _specs(owned))
+    if not entries:
+        return None
+    local = piece_tensors(model, optimizer, tuple(kinds))
+    writer = TensorFileWriter(tmp / file_name(rank), entries)
+    try:
+        for kind in kinds:
+            for it in items:  # each planned item is one of this rank's pieces
+                writer.write(local[kind, it.name])
+        for tensor in owned.values():
+            writer.write(tensor.detach())
+        for tensor in rng.values():
+            writer.write(tensor)
+        entry = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    record = {"file": file_name(rank), "keys": list(rng), **rng_meta} if rng else None
+    return {"file": file_name(rank), "entry": entry, "rng": record}
+
+
+def _publish(root, tmp, final, index, planned, results) -> CheckpointError | None:
+    """Rank 0: complete the index with the files, write it, rename (replacing an unpublished orphan of the same
+    step), point `latest`; return the error, if any."""
+    failures = [r for r in results if isinstance(r, CheckpointError)]
+    if failures:
+        remove_quietly(tmp)
+        return failures[0]
+    aside = None
+    try:
+        files, rng, has_file = {}, {}, set()
+        for rank, result in enumerate(results):
+            if result is None:
+                continue
+            has_file.add(rank)
+            files[result["file"]] = result["entry"]
+            if result["rng"] is not None:
+                rng[str(rank)] = result["rng"]
+        plan, kinds, dtypes = planned
+        index.tensors = index_tensors(plan, index.groups, kinds, dtypes, has_file)
+        index.files, index.rng = dict(sorted(files.items())), rng
+        write_index(tmp, index)
+        if os.path.lexists(final):  # the orphan of a crashed save of this step (checked in _make_staging)
+            aside = root / f"{TMP_PREFIX}{final.name}-replaced-{secrets.token_hex(4)}"
+            os.rename(final, aside)
+        publish_dir(tmp, final)
+        atomic_write_text(root / LATEST, final.name + "\n")
+    except Exception as err:
+        remove_quietly(tmp)
+        if aside is not None and not os.path.lexists(final):
+            os.rename(aside, final)  # put the orphan back: the failed save changed nothing
+        if isinstance(err, CheckpointError):
+            return err
+        return CheckpointError(
+            f"Could not publish {final} ({type(err).__name__}: {err}); nothing was published and the previous "
+            f"checkpoint is still the latest. Check that the disk has room and {root} is writable."
+        )
+    if aside is not None:
+        remove_quietly(aside)
+    return None

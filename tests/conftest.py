@@ -1,6 +1,0 @@
-"""Make the test helpers (tests/distributed.py) importable from every test module."""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,61 @@
+"""Token streams: the synthetic one is deterministic per step, and Megatron indexed datasets are read exactly."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from hfsdp.recipes.data import IndexedTokens, SyntheticTokens, microbatch
+
+
+def _write_indexed(prefix, documents):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for doc in documents:
+        builder.add_item(torch.tensor(doc, dtype=torch.int32))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_synthetic_batches_depend_only_on_the_step():
+    """Step k's global batch is the same tensor every time it is asked for, and differs between steps."""
+    data = SyntheticTokens(vocab_size=64, seq_length=16)
+    a, b = data.global_batch(3, 8), data.global_batch(3, 8)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(data.global_batch(4, 8)[0], a[0])
+
+
+def test_synthetic_labels_are_the_next_tokens():
+    """Labels are the inputs shifted by one, and every next token follows its sequence's affine rule."""
+    tokens, labels = SyntheticTokens(vocab_size=64, seq_length=16).global_batch(0, 8)
+    assert torch.equal(tokens[:, 1:], labels[:, :-1])
+    assert int(tokens.max()) < 64 and int(tokens.min()) >= 0
+
+
+def test_microbatches_partition_the_global_batch():
+    """The microbatches of all ranks, in chunk order m*dp + r, concatenate back to the global batch."""
+    batch = SyntheticTokens(vocab_size=64, seq_length=8).global_batch(0, 16)
+    chunks = {}
+    for m in range(2):
+        for r in range(4):
+            chunks[m * 4 + r] = microbatch(batch, m, 2, r, 4)[0]
+    assert torch.equal(torch.cat([chunks[i] for i in range(8)]), batch[0])
+
+
+def test_indexed_dataset_reads_the_written_tokens(tmp_path):
+    """A Megatron .bin/.idx pair is read back as consecutive fixed-length samples with next-token labels."""
+    documents = [list(range(0, 20)), list(range(100, 130))]
+    _write_indexed(tmp_path / "corpus", documents)
+    data = IndexedTokens(str(tmp_path / "corpus"), seq_length=8)
+    stream = torch.tensor(documents[0] + documents[1])
+    assert data.num_samples == (stream.numel() - 1) // 8
+    tokens, labels = data.global_batch(0, 2)
+    assert torch.equal(tokens[0], stream[0:8]) and torch.equal(labels[0], stream[1:9])
+    assert torch.equal(tokens[1], stream[8:16])
+    wrapped, _ = data.global_batch(3, 2)  # samples 6 and 7 wrap around to 0 and 1
+    assert torch.equal(wrapped[0], stream[0:8])

@@ -1,0 +1,1 @@
+"""Helpers the tests share: spawning gloo ranks, toy models, checkpoint fixtures."""
