@@ -427,7 +427,7 @@ class HfsdpEngine(Engine):
 
     def __init__(self, args, timers, compute_dtype, cfg, shape, device):
         super().__init__(args, timers, compute_dtype)
-        from hfsdp.core import MixedPrecision, build_meshes, fully_shard
+        from hfsdp.core import MixedPrecision, build_meshes, fully_shard, sharding_of
         from hfsdp.models.megatron.adapter import shard_megatron_model
 
         model = build_model(cfg, shape, device)
@@ -435,15 +435,26 @@ class HfsdpEngine(Engine):
         maybe_compile(args, model)
         mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         # Like FSDP2 below, given reshard_after_forward=True for the root too (as torchtitan does).
-        options = {"offload": args.offload, "reshard_root_after_forward": cfg.inner == "optim_grads_params"}
+        reshard_root = cfg.inner == "optim_grads_params"
         if args.model == "gpt":
-            self.model = shard_megatron_model(model, cfg, device.type, mp, **options)
+            self.model = shard_megatron_model(
+                model, cfg, device.type, mp, offload=args.offload, reshard_root_after_forward=reshard_root
+            )
         else:
             meshes = build_meshes(cfg, device.type)
-            self.model = fully_shard(model, cfg, meshes, units=units_of(model), mp=mp, **options)
-        self.opt = adamw(args, [p for _, p in self.model.named_main_params()])
+            self.model = fully_shard(
+                model,
+                cfg,
+                meshes,
+                units=units_of(model),
+                mp=mp,
+                offload=args.offload,
+                reshard_root_after_forward=reshard_root,
+            )
+        self.sharding = sharding_of(self.model)
+        self.opt = adamw(args, self.model.parameters())
         self.label = cfg.layout_name
-        self.mesh = tuple(self.model.meshes.dense.mesh_dim_names)
+        self.mesh = tuple(self.sharding.meshes.dense.mesh_dim_names)
 
     def microbatch(self, index, count, tokens, labels):
         self.model.set_microbatch(index, count)
@@ -464,7 +475,7 @@ class HfsdpEngine(Engine):
 
     def state_bytes(self):
         state = [t for s in self.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return self.model.state_bytes() + tensor_bytes(state)
+        return self.sharding.state_bytes() + tensor_bytes(state)
 
 
 class TorchOptimizerEngine(Engine):
@@ -593,6 +604,7 @@ class ModelOnlyEngine(TorchOptimizerEngine):
 def install_phase_timers(timers: CallTimers) -> None:
     """Inclusive host time of each engine's phases (labels 'hfsdp:...' and 'fsdp2:...')."""
     from hfsdp.core.flat_group import FlatParamGroup
+    from hfsdp.core.grad_buffer import GradBuffer
     from hfsdp.core.unit import ShardedUnit
 
     try:  # FSDP2's private module; its path and method names may move between torch versions
@@ -601,8 +613,7 @@ def install_phase_timers(timers: CallTimers) -> None:
         FSDPParamGroup = None
 
     timers.wrap(FlatParamGroup, "start_unshard", "hfsdp::start_unshard (all-gather)")
-    timers.wrap(FlatParamGroup, "unshard", "hfsdp::unshard (all-gather)")
-    timers.wrap(FlatParamGroup, "accumulate_grads", "hfsdp::accumulate_grads (copy-in, reductions)")
+    timers.wrap(GradBuffer, "accumulate", "hfsdp::accumulate grads (copy-in, reductions)")
     timers.wrap(FlatParamGroup, "publish_main_weights", "hfsdp::publish_main_weights (cast, gather)")
     timers.wrap(ShardedUnit, "_pre_forward", "hfsdp::pre_forward hook", family="hfsdp-hook")
     timers.wrap(ShardedUnit, "_post_forward", "hfsdp::post_forward hook", family="hfsdp-hook")

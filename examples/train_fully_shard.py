@@ -1,8 +1,9 @@
 """Train your own model with hfsdp's engine: a complete, runnable example.
 
-A transformers Llama here, but any nn.Module works the same way: name its units (its transformer
-layers), shard it with `fully_shard`, give any `torch.optim` optimizer its main params, and save and
-load with `hfsdp.ckpt`. Launch one process per rank with torchrun:
+A transformers Llama here, but any nn.Module works the same way, with FSDP2's habits: name its units
+(its transformer layers), shard it in place with `fully_shard`, build any `torch.optim` optimizer over
+`model.parameters()` (each rank's fp32 pieces), clip with `model.clip_grad_norm_`, and save and load
+with `hfsdp.ckpt` (any layout). Launch one process per rank with torchrun:
 
     torchrun --nproc-per-node 4 examples/train_fully_shard.py --instances 2 --steps 20 --save /tmp/ck
     torchrun --nproc-per-node 2 examples/train_fully_shard.py --steps 30 --load /tmp/ck   # any other layout
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hfsdp.ckpt import load_checkpoint, save_checkpoint
-from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, clip_grad_norm_, fully_shard, param_groups
+from hfsdp.ckpt import load_checkpoint, save_checkpoint, save_conflict
+from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard
 from hfsdp.recipes.data import SyntheticTokens, microbatch
 from hfsdp.recipes.lr_schedule import Schedule, scheduler
 
@@ -34,6 +37,11 @@ def main() -> None:
     p.add_argument("--save", default=None, help="checkpoint root to save into at the end")
     p.add_argument("--load", default=None, help="checkpoint (root or step directory) to resume from")
     args = p.parse_args()
+    if args.save and (taken := save_conflict(args.save, args.steps)):  # check before training, not after it
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: --save {args.save} already holds {taken.name}, which this run would save; a save never "
+                  "overwrites. Choose another --save, remove it, or resume with --load.", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, ...
@@ -54,12 +62,12 @@ def main() -> None:
     )  # fmt: skip
     model = LlamaForCausalLM(config).to(device)
     mp = MixedPrecision(param_dtype=torch.bfloat16 if cuda else None, reduce_dtype=torch.float32)
-    model = fully_shard(
-        model, cfg, build_meshes(cfg, device.type), units=model.model.layers, mp=mp, reshard_root_after_forward=True
-    )
+    # In place, as FSDP2's: the same LlamaForCausalLM (generate, config, ...), its parameters now this rank's pieces.
+    meshes = build_meshes(cfg, device.type)
+    fully_shard(model, cfg, meshes, units=model.model.layers, mp=mp, reshard_root_after_forward=True)
 
-    # 3. Any torch.optim optimizer over the main params (no weight decay for norms and embeddings), any schedule.
-    opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=3e-3, fused=True)
+    # 3. Any torch.optim optimizer over model.parameters(), any schedule.
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
     start = int(load_checkpoint(args.load, model, opt)["step"]) if args.load else 0  # any layout: reshards
     lr = scheduler(opt, Schedule(3e-3, min_lr=3e-4, warmup_iters=4, decay_iters=args.steps, style="cosine"), start)
 
@@ -75,7 +83,7 @@ def main() -> None:
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
             loss.backward()
             total += loss.detach()
-        clip_grad_norm_(model, 1.0)  # the global norm over every rank's pieces
+        model.clip_grad_norm_(1.0)  # the global norm over every rank's pieces
         opt.step()  # steps the main params; hfsdp then publishes the new weights by itself
         opt.zero_grad()
         lr.step()

@@ -41,8 +41,8 @@ STEPS = 3
 
 
 def _sharded(config, layout: dict, seed: int):
+    from hfsdp.core import fully_shard
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.sharded_model import fully_shard
     from hfsdp.models.hf import build_causal_lm, decoder_layers
 
     cfg = LayoutConfig(world_size=torch.distributed.get_world_size(), **layout)
@@ -66,19 +66,19 @@ def _load_cases(rank, world, cases, online_root, online_tied):
         extra = load_checkpoint(ckpt, sharded)
         refused = None
         try:
-            load_checkpoint(ckpt, sharded, torch.optim.AdamW([p for _, p in sharded.named_main_params()]))
+            load_checkpoint(ckpt, sharded, torch.optim.AdamW(sharded.parameters()))
         except CheckpointError as err:
             refused = str(err)
         out[name] = {"logits": _forward(sharded), "extra": extra, "refused": refused}
 
     sharded = _sharded(tiny_config(tied=online_tied), ONLINE, seed=5)
-    opt = torch.optim.AdamW([p for _, p in sharded.named_main_params()], lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
         tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(100 * step + rank))
         causal_lm_loss(sharded, tokens[:, :-1], tokens[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
-    record = {"format": "transformers", "config": sharded.module.config.to_dict()}
+    record = {"format": "transformers", "config": sharded.config.to_dict()}
     save_checkpoint(online_root, sharded, opt, step=STEPS, model_record=record)
     out["online"] = _forward(sharded)
     return out

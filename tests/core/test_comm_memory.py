@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfsdp.core import sharding_of
+
 from tests.support.distributed import run_distributed
 
 MICROBATCHES = 4
@@ -28,12 +30,12 @@ def _allocated_bytes(sharded, opt) -> int:
     shows up here. 0-d optimizer bookkeeping (AdamW's `step`) is not model state and is left out.
     """
     tensors: list[torch.Tensor] = []
-    for group in sharded.groups:
-        for value in vars(group).values():
+    for group in sharding_of(sharded).groups:
+        for value in [*vars(group).values(), *vars(group.grads).values()]:
             values = value if isinstance(value, list | tuple) else [value]
             tensors += [v for v in values if isinstance(v, torch.Tensor)]
         tensors += [slot.param for slot in group.slots]
-    for piece in sharded.main_params:
+    for piece in sharding_of(sharded).main_params:
         tensors += [piece.param] + ([piece.param.grad] if piece.param.grad is not None else [])
     for state in opt.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
@@ -47,11 +49,11 @@ def _measure(rank, world):
 
     import torch.distributed as dist
 
+    from hfsdp.core import fully_shard
     from hfsdp.core.collectives import record_comms
     from hfsdp.core.config import LayoutConfig
-    from hfsdp.core.flat_group import MixedPrecision
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.sharded_model import fully_shard
+    from hfsdp.core.mixed_precision import MixedPrecision
 
     from tests.support.toy_models import make_toy, microbatch
 
@@ -67,11 +69,14 @@ def _measure(rank, world):
         # Compute in bf16 and reduce in fp32, so the formula's b_p and b_g differ.
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp)
-        opt = torch.optim.AdamW([p for _, p in sharded.named_main_params()])
+        opt = torch.optim.AdamW(sharded.parameters())
         with record_comms() as log:
             one_step(sharded, opt, 0)
             opt.step()
-        groups = [{"padded": g.padded, "root": g.unit_index == len(sharded.units) - 1} for g in sharded.groups]
+        groups = [
+            {"padded": g.padded, "root": g.unit_index == len(sharding_of(sharded).units) - 1}
+            for g in sharding_of(sharded).groups
+        ]
         out[name] = {
             "records": [(r.op, r.axis, r.group_size, r.numel, r.element_size) for r in log.records],
             "bytes": {axis: log.bytes_sent(axis) for axis in ("dp_shard", "dp_outer")},
@@ -86,12 +91,12 @@ def _measure(rank, world):
         model = make_toy()
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp)
-        opt = torch.optim.AdamW([p for _, p in sharded.named_main_params()])
+        opt = torch.optim.AdamW(sharded.parameters())
         one_step(sharded, opt, 0)
         opt.step()  # creates the optimizer state
         one_step(sharded, opt, 1)
         with_grads = _allocated_bytes(sharded, opt)
-        grad_buffers = [weakref.ref(g._grad_buffer) for g in sharded.groups]
+        grad_buffers = [weakref.ref(g.grads.buffer) for g in sharding_of(sharded).groups]
         opt.step()
         opt.zero_grad()
         # torch's gloo all-reduce keeps its input (here a view of the buffer) alive in a reference cycle until the
@@ -102,13 +107,13 @@ def _measure(rank, world):
         out[name]["memory after step"] = _allocated_bytes(sharded, opt)
         out[name]["grad buffers alive after step"] = sum(ref() is not None for ref in grad_buffers)
         out[name]["unsharded bytes"] = sum(
-            g.unsharded.untyped_storage().nbytes() for g in sharded.groups if g.transient_unsharded
+            g.unsharded.untyped_storage().nbytes() for g in sharding_of(sharded).groups if g.transient_unsharded
         )
-        out[name]["padded_total"] = sum(g.padded for g in sharded.groups)
+        out[name]["padded_total"] = sum(g.padded for g in sharding_of(sharded).groups)
         # The optimizer keeps state for the main params only, not for the padding in this rank's range.
-        optim_elements = sum(g.optim_range[1] - g.optim_range[0] for g in sharded.groups)
-        out[name]["optim_padding"] = optim_elements - sum(p.param.numel() for p in sharded.main_params)
-        out[name]["grad_total"] = sum(g.grad_range[1] - g.grad_range[0] for g in sharded.groups)
+        optim_elements = sum(g.optim_range[1] - g.optim_range[0] for g in sharding_of(sharded).groups)
+        out[name]["optim_padding"] = optim_elements - sum(p.param.numel() for p in sharding_of(sharded).main_params)
+        out[name]["grad_total"] = sum(g.grad_range[1] - g.grad_range[0] for g in sharding_of(sharded).groups)
     return out
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hfsdp.core import sharding_of
 from hfsdp.core.strategy import Strategy
 
 from tests.support.distributed import run_distributed
@@ -44,9 +45,9 @@ def _layout_id(layout) -> str:
 
 
 def _shard(world, layout, mp=None, offload=False):
+    from hfsdp.core import fully_shard
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.sharded_model import fully_shard
 
     outer, inner, instances = layout
     cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
@@ -83,25 +84,34 @@ def _train(sharded, opt, rank, world, steps=STEPS, clip=None, schedule=None, sta
 
 def _pieces(sharded) -> list[tuple[str, int, int, torch.Tensor]]:
     """This rank's main params: (global name, start, stop, fp32 values) — the parent assembles whole tensors."""
-    return [(p.name, p.start, p.stop, p.param.detach().reshape(-1).clone()) for p in sharded.main_params]
+    return [(p.name, p.start, p.stop, p.param.detach().reshape(-1).clone()) for p in sharding_of(sharded).main_params]
 
 
 def _grad_pieces(sharded) -> list[tuple[str, int, int, torch.Tensor]]:
-    return [(p.name, p.start, p.stop, p.param.grad.detach().reshape(-1).clone()) for p in sharded.main_params]
+    return [
+        (p.name, p.start, p.stop, p.param.grad.detach().reshape(-1).clone())
+        for p in sharding_of(sharded).main_params
+        if p.holds
+    ]
 
 
 def _layout_runs(rank, world, layouts):
     from hfsdp.core.placement import State
 
+    from tests.support.toy_models import microbatch
+
     out = {}
     for layout in layouts:
         for optimizer, clip in RUNS.items():
             sharded = _shard(world, layout)
-            opt = OPTIMIZERS[optimizer]([p for _, p in sharded.named_main_params()])
+            opt = OPTIMIZERS[optimizer](sharded.parameters())
             losses, norms = _train(sharded, opt, rank, world, clip=clip)
             out[layout, optimizer] = {"losses": losses, "norms": norms, "pieces": _pieces(sharded)}
-        views = sharded.sharded_buffers()[0]
-        group = sharded.groups[0]
+        for index in range(MICROBATCHES):  # one more step's gradients, so that the gradient view exists
+            sharded.set_microbatch(index, MICROBATCHES)
+            sharded(*microbatch(STEPS, index, MICROBATCHES, rank, world)).backward()
+        views = sharding_of(sharded).sharded_buffers()[0]
+        group = sharding_of(sharded).groups[0]
         main = views["main"].full_tensor()
         out[layout, "views"] = {
             "mesh": tuple(views["param"].device_mesh.mesh_dim_names),
@@ -136,11 +146,11 @@ def _root_resharded(rank, world):
     sharded = fully_shard(
         model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), reshard_root_after_forward=True
     )
-    root = sharded.units[-1].groups[0]
+    root = sharding_of(sharded).units[-1].groups[0]
     sharded(*microbatch(0, 0, 1, rank, world))  # forward only: the root keeps nothing gathered
     held_after_forward = root.unsharded.untyped_storage().nbytes()
     sharded.zero_grad()
-    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    opt = OPTIMIZERS["sgd"](sharded.parameters())
     losses, norms = _train(sharded, opt, rank, world, clip=CLIP)
     return {"held after forward": held_after_forward, "losses": losses, "norms": norms, "pieces": _pieces(sharded)}
 
@@ -177,7 +187,7 @@ def _sgd_save(rank, world, root):
     from hfsdp.ckpt import save_checkpoint
 
     sharded = _shard(world, ("optim", "optim_grads_params", 2))
-    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    opt = OPTIMIZERS["sgd"](sharded.parameters())
     losses, _ = _train(sharded, opt, rank, world, steps=2, clip=CLIP)
     save_checkpoint(root, sharded, opt, step=2)
     return losses
@@ -188,7 +198,7 @@ def _sgd_resume(rank, world, root):
     from hfsdp.ckpt import load_checkpoint
 
     sharded = _shard(world, ("no_shard", "optim_grads_params", 3))
-    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    opt = OPTIMIZERS["sgd"](sharded.parameters())
     step = load_checkpoint(root, sharded, opt)["step"]
     losses, norms = _train(sharded, opt, rank, world, steps=1, clip=CLIP, start=step)
     return {"step": step, "losses": losses, "norms": norms, "pieces": _pieces(sharded)}
@@ -314,7 +324,7 @@ def _groups_and_schedule(rank, world):
             "pieces": _pieces(sharded),
             "lrs": [g["lr"] for g in opt.param_groups],
             "group names": {
-                g["name"]: {p.name for p in sharded.main_params if any(p.param is q for q in g["params"])}
+                g["name"]: {p.name for p in sharding_of(sharded).main_params if any(p.param is q for q in g["params"])}
                 for g in opt.param_groups
             },
         }
@@ -361,10 +371,10 @@ def _adafactor(rank, world):
 
     out = {}
     sharded = _shard(world, ("no_shard", "no_shard", 1))  # every main param is a whole parameter
-    opt = torch.optim.Adafactor([p for _, p in sharded.named_main_params()], lr=1e-2)
+    opt = torch.optim.Adafactor(sharded.parameters(), lr=1e-2)
     out["ddp"] = {"losses": _train(sharded, opt, rank, world)[0], "pieces": _pieces(sharded)}
     sharded = _shard(world, ("optim", "optim_grads_params", 2))
-    opt = torch.optim.Adafactor([p for _, p in sharded.named_main_params()], lr=1e-2)
+    opt = torch.optim.Adafactor(sharded.parameters(), lr=1e-2)
     try:
         _train(sharded, opt, rank, world, steps=1)
         out["hfsdp"] = None
@@ -375,7 +385,7 @@ def _adafactor(rank, world):
         """A user's own optimizer, declared elementwise."""
 
     sharded = _shard(world, ("optim", "optim_grads_params", 2))
-    opt = register_elementwise(MySGD)([p for _, p in sharded.named_main_params()], lr=1e-2, momentum=0.9)
+    opt = register_elementwise(MySGD)(sharded.parameters(), lr=1e-2, momentum=0.9)
     out["declared"] = _train(sharded, opt, rank, world)[0]
     return out
 
@@ -424,7 +434,7 @@ def _misuse(rank, world):
 
     out = {}
     sharded = _shard(world, ("optim", "optim_grads_params", 2))
-    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    opt = OPTIMIZERS["sgd"](sharded.parameters())
     sharded(*microbatch(0, 0, 1, rank, world)).backward()
     try:
         sharded(*microbatch(0, 0, 1, rank, world)).backward()
@@ -479,9 +489,9 @@ def _offloaded(rank, world):
     for layout in OFFLOADED:
         for optimizer, clip in RUNS.items():
             sharded = _shard(world, layout, offload=True)
-            opt = OPTIMIZERS[optimizer]([p for _, p in sharded.named_main_params()])
+            opt = OPTIMIZERS[optimizer](sharded.parameters())
             losses, norms = _train(sharded, opt, rank, world, clip=clip)
-            separate = all(g.main.data_ptr() != g.param_shard.data_ptr() for g in sharded.groups)
+            separate = all(g.main.data_ptr() != g.param_shard.data_ptr() for g in sharding_of(sharded).groups)
             out[layout, optimizer] = {
                 "losses": losses,
                 "norms": norms,
@@ -499,7 +509,7 @@ def _bf16_step(rank, world, layout, offload=False, mp=None):
 
     mp = mp or MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     sharded = _shard(world, layout, mp=mp, offload=offload)
-    opt = OPTIMIZERS["adamw"]([p for _, p in sharded.named_main_params()])
+    opt = OPTIMIZERS["adamw"](sharded.parameters())
     before = _pieces(sharded)
     grads = {}
 
@@ -572,7 +582,7 @@ def _moe_run(rank, world, layout):
     model = cm.Toy(True, cfg.ep, ep_rank, cm._ep_group(cfg.ep), 0)
     naming = ExpertNaming(cm.NUM_EXPERTS, cfg.ep, ep_rank)
     sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), expert_naming=naming)
-    opt = OPTIMIZERS["sgd"]([p for _, p in sharded.named_main_params()])
+    opt = OPTIMIZERS["sgd"](sharded.parameters())
     losses, norms = [], []
     b = cm.GLOBAL_BATCH // (MICROBATCHES * world)
     for step in range(STEPS):
@@ -593,7 +603,7 @@ def _moe_run(rank, world, layout):
         "losses": losses,
         "norms": norms,
         "pieces": _pieces(sharded),
-        "expert mesh": sharded.meshes.expert_layout.shape,
+        "expert mesh": sharding_of(sharded).meshes.expert_layout.shape,
     }
 
 

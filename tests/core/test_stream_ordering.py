@@ -14,9 +14,9 @@ STEPS, MICROBATCHES = 2, 2
 def _traced_training(rank, world):
     import torch.distributed as dist
 
+    from hfsdp.core import fully_shard
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.sharded_model import fully_shard
     from hfsdp.core.streams import TracingStreams
 
     from tests.support.toy_models import OPTIMIZERS, make_toy, microbatch
@@ -33,7 +33,7 @@ def _traced_training(rank, world):
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), streams=streams)
         for index, layer in enumerate(model.layers):
             layer.register_forward_pre_hook(lambda *_, i=index, s=streams: s.mark("forward", i))
-        opt = OPTIMIZERS["adamw"]([p for _, p in sharded.named_main_params()])
+        opt = OPTIMIZERS["adamw"](sharded.parameters())
         losses = []
         for step in range(STEPS):
             total = torch.zeros(())
@@ -59,10 +59,10 @@ def _traced_training(rank, world):
 def _outer_reductions_during_backward(world):
     """HSDP and HFSDP 2x2, last microbatch: how many outer-axis reductions were issued when each unit's backward
     began, and how many in all."""
+    from hfsdp.core import fully_shard
     from hfsdp.core.collectives import record_comms
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.sharded_model import fully_shard
     from hfsdp.core.streams import TracingStreams
 
     from tests.support.toy_models import make_toy, microbatch

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hfsdp.core import sharding_of
+
 from tests.support.toy_models import Block
 
 NUM_EXPERTS = 4
@@ -158,11 +160,11 @@ def _ep_group(ep: int):
 
 def engine(layout: dict, moe: bool = False, seed: int = 0, bf16: bool = False):
     """A sharded Toy (or MoEToy) and torch's AdamW over its main params on this process group, for `layout`."""
+    from hfsdp.core import fully_shard
     from hfsdp.core.config import LayoutConfig
     from hfsdp.core.expert_naming import ExpertNaming
-    from hfsdp.core.flat_group import MixedPrecision
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.sharded_model import fully_shard
+    from hfsdp.core.mixed_precision import MixedPrecision
 
     cfg = LayoutConfig(world_size=dist.get_world_size(), **layout)
     meshes = build_meshes(cfg, "cpu")
@@ -171,7 +173,7 @@ def engine(layout: dict, moe: bool = False, seed: int = 0, bf16: bool = False):
     naming = ExpertNaming(NUM_EXPERTS, cfg.ep, ep_rank) if moe else None
     mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     sm = fully_shard(model, cfg, meshes, units=list(model.layers), mp=mp, expert_naming=naming)
-    return sm, torch.optim.AdamW([p for _, p in sm.named_main_params()], lr=LR, weight_decay=WEIGHT_DECAY)
+    return sm, torch.optim.AdamW(sm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def train(sm, opt, steps: int, start: int = 0) -> list[float]:
@@ -206,7 +208,7 @@ def local_state(sm, opt) -> list[dict[str, torch.Tensor]]:
     """This rank's state per group (compute-dtype params, fp32 main weights, each optimizer state over the group's
     main params), for bitwise comparisons."""
     out = []
-    for g in sm.groups:
+    for g in sharding_of(sm).groups:
         states = {}
         for key in ("exp_avg", "exp_avg_sq"):
             pieces = [opt.state[p.param][key].reshape(-1) for p in g.main_params if p.param in opt.state]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hfsdp.core import sharding_of
+
 SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
 GLOBAL_BATCH, LR = 8, 3e-3
 
@@ -26,7 +28,7 @@ def train_sharded(rank, world, layout_kwargs, steps, microbatches, shape=None, c
     model = build_gpt(shape)
     reinit_by_global_name(model, expert_naming_for(cfg), seed=0)
     sharded = shard_megatron_model(model, cfg, "cpu")
-    opt = torch.optim.AdamW([p for _, p in sharded.named_main_params()], lr=LR, weight_decay=0.01)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=LR, weight_decay=0.01)
     data = SyntheticTokens(shape.vocab_size, shape.seq_length)
     losses, norms = [], []
     for step in range(steps):
@@ -40,14 +42,14 @@ def train_sharded(rank, world, layout_kwargs, steps, microbatches, shape=None, c
         dist.all_reduce(total)
         losses.append(total.item() / (microbatches * cfg.dp))
         if clip is not None:
-            norms.append(clip_grad_norm_(sharded.groups, clip).item())
+            norms.append(clip_grad_norm_(sharding_of(sharded).groups, clip).item())
         opt.step()
         opt.zero_grad()
-    experts = [g for g in sharded.groups if g.is_expert]
+    experts = [g for g in sharding_of(sharded).groups if g.is_expert]
     return {
         "losses": losses,
         "norms": norms,
-        "meshes": {tuple(g.mesh.mesh_dim_names) for g in sharded.groups},
+        "meshes": {tuple(g.mesh.mesh_dim_names) for g in sharding_of(sharded).groups},
         "expert_meshes": {tuple(g.mesh.mesh_dim_names) for g in experts},
         "expert_param_placements": {tuple(g.layout.placements.param) for g in experts},
         "expert_optim_placements": {tuple(g.layout.placements.optim) for g in experts},

@@ -13,8 +13,8 @@ The subpackages, each one concern; each imports only those listed before it:
 - `hf`: Hugging Face directories in (import) and the names an export writes;
 - `offline`: reshard, export, and writing from full tensors, in one process.
 
-Importing this package stays light: `verify`, `inspect`, `read_index` and
-`resolve` need neither torch nor megatron-core, so `hfsdp ckpt verify` starts at
+Importing this package stays light: `verify`, `inspect`, `read_index`,
+`resolve` and `save_conflict` need neither torch nor megatron-core, so `hfsdp ckpt verify` starts at
 once. What needs torch is imported on first use (module `__getattr__`).
 """
 
@@ -25,7 +25,7 @@ import importlib
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.index import CheckpointIndex, GroupSpec
 from hfsdp.ckpt.format.index_file import read_index
-from hfsdp.ckpt.format.store import resolve
+from hfsdp.ckpt.format.store import resolve, save_conflict
 from hfsdp.ckpt.format.verify import inspect, verify
 
 #: Names that need torch, and the module each lives in (no module is named like the function it holds, so a
@@ -64,6 +64,7 @@ __all__ = [
     "reshard",
     "resolve",
     "save_checkpoint",
+    "save_conflict",
     "verify",
     "write_from_tensors",
 ]

@@ -19,7 +19,7 @@ from hfsdp.cli.train_config import TrainConfig
 
 @dataclass(frozen=True)
 class BuiltModel:
-    sharded: Any  # hfsdp.core.ShardedModel
+    sharded: Any  # the model, sharded in place by hfsdp.core.module
     loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
     vocab_size: int
     record: dict[str, Any]
@@ -27,7 +27,7 @@ class BuiltModel:
 
 def build_model(cfg: TrainConfig, device: torch.device) -> BuiltModel:
     """Build, wrap and shard the run's model on `device` (collective: builds the meshes)."""
-    from hfsdp.core.flat_group import MixedPrecision
+    from hfsdp.core.mixed_precision import MixedPrecision
 
     mp = MixedPrecision(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=torch.float32)
     if cfg.model_config is not None:
@@ -46,7 +46,7 @@ def _wrap_units(cfg: TrainConfig, units) -> None:
 
 def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.sharded_model import fully_shard
+    from hfsdp.core.module import fully_shard
     from hfsdp.models import hf
 
     config = hf.load_config(cfg.model_config)
@@ -55,8 +55,9 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     _wrap_units(cfg, units)
     meshes = build_meshes(cfg.layout, device.type)
     # The loss is computed outside the model, on its logits: free the root's parameters while it peaks.
-    options = {"offload": cfg.offload == "optim", "reshard_root_after_forward": True}
-    sharded = fully_shard(model, cfg.layout, meshes, units=units, mp=mp, **options)
+    sharded = fully_shard(
+        model, cfg.layout, meshes, units=units, mp=mp, offload=cfg.offload == "optim", reshard_root_after_forward=True
+    )
     record = {"format": "transformers", "config": config.to_dict()}
     return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record)
 

@@ -3,7 +3,10 @@
 The public API, imported lazily so that `hfsdp.core.config` (and the CLI's
 `validate-config`) never pays for importing torch:
 
-    from hfsdp.core import LayoutConfig, build_meshes, fully_shard, MixedPrecision, clip_grad_norm_, param_groups
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard, MixedPrecision
+
+    model = fully_shard(model, cfg, build_meshes(cfg, "cuda"), units=model.model.layers)
+    opt = torch.optim.AdamW(model.parameters())  # this rank's fp32 pieces, under the original names
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ _EXPORTS = {
     "Strategy": "hfsdp.core.strategy",
     "build_meshes": "hfsdp.core.mesh",
     "HybridMeshes": "hfsdp.core.mesh",
-    "fully_shard": "hfsdp.core.sharded_model",
-    "ShardedModel": "hfsdp.core.sharded_model",
-    "MixedPrecision": "hfsdp.core.flat_group",
+    "fully_shard": "hfsdp.core.module",
+    "HFSDPModule": "hfsdp.core.module",
+    "sharding_of": "hfsdp.core.sharding",
+    "MixedPrecision": "hfsdp.core.mixed_precision",
     "clip_grad_norm_": "hfsdp.core.clip",
     "global_grad_norm": "hfsdp.core.clip",
     "param_groups": "hfsdp.core.main_params",

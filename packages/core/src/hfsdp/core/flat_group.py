@@ -1,4 +1,4 @@
-"""One unit's parameters of one mesh, in flat padded buffers.
+"""One unit's parameters of one mesh, in flat padded buffers: the parameter side of a group.
 
 A `FlatParamGroup` owns these buffers:
 
@@ -16,9 +16,15 @@ A `FlatParamGroup` owns these buffers:
   parameter is a view into. Its storage exists only while the unit runs
   (`unshard` / `reshard`) unless it *is* the persistent `param_shard` (a
   replicated parameter that needs no gather and no cast);
-- `grad_buffer` (reduce dtype): the gradient piece accumulated between
-  microbatches; after the last microbatch its optimizer range holds the reduced
-  gradient. It exists from a step's first backward until the step consumes it.
+- `grads` (`GradBuffer`): the gradient piece and its reductions.
+
+The unsharded buffer moves through `ParamState`: SHARDED (no storage) -> GATHERING
+(a gather in flight on the gather stream) -> UNSHARDED (compute has waited for it).
+A group whose unsharded buffer is its persistent shard is always UNSHARDED.
+
+Which tensors the modules hold moves with it: while the unit computes, each module
+attribute is the compute parameter (a view into `unsharded`); otherwise it is the
+rank's main param (`main_params.py`), what an optimizer steps.
 
 With `offload`, `main` (and so the optimizer and its state) lives in host memory:
 the compute-dtype shard is always kept on the device, the reduced gradient is
@@ -32,50 +38,30 @@ checkpoint ever covers it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from enum import Enum
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hfsdp.core import collectives as comm
-from hfsdp.core.comm_plan import plan_for
+from hfsdp.core.flat_layout import FlatLayout
+from hfsdp.core.grad_buffer import GradBuffer
+from hfsdp.core.group_comms import GroupComms
 from hfsdp.core.layout import MeshLayout
-from hfsdp.core.placement import State
+from hfsdp.core.main_params import MainParam, build_main_params
+from hfsdp.core.mixed_precision import MixedPrecision
+from hfsdp.core.placement_names import State
 from hfsdp.core.streams import SyncStreams
 
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Compute dtype of parameters (None keeps each parameter's own) and gradient-reduction dtype."""
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype = torch.float32
-
-    def __post_init__(self):
-        # Gradients are summed unscaled and each rank's reduced piece is scaled once per step, so the reduction
-        # needs fp32's range: an fp16 sum over microbatches and ranks could overflow where the mean would not.
-        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(
-                f"MixedPrecision(reduce_dtype={self.reduce_dtype}) is not supported: hfsdp sums gradients over "
-                "microbatches and ranks before scaling them to the mean, which needs the range of float32; use "
-                "reduce_dtype=torch.float32 (or torch.bfloat16, which has the same range)."
-            )
+#: Where a module holds one of the group's parameters: (module, attribute name). A tied parameter has several.
+Location = tuple[nn.Module, str]
 
 
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter lives in its group's flat buffers."""
-
-    name: str
-    param: nn.Parameter
-    shape: torch.Size
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
+class ParamState(Enum):
+    SHARDED = "sharded"  # the unsharded buffer has no storage
+    GATHERING = "gathering"  # a gather into it is in flight on the gather stream
+    UNSHARDED = "unsharded"  # compute may read it
 
 
 class FlatParamGroup:
@@ -84,78 +70,120 @@ class FlatParamGroup:
     def __init__(
         self,
         named_params: list[tuple[str, nn.Parameter]],
+        global_names: list[str],
+        locations: list[list[Location]],
         mesh: DeviceMesh,
         layout: MeshLayout,
         mp: MixedPrecision,
+        *,
+        is_expert: bool,
+        unit_index: int,
+        owner: Callable[[], object] = lambda: None,
         streams=None,
         offload: bool = False,
     ):
-        self.mesh, self.layout, self.plan = mesh, layout, plan_for(layout)
-        self.offload = offload
+        self.is_expert, self.unit_index = is_expert, unit_index  # which mesh; the owning unit's position (root last)
+        self.owner = owner  # () -> the engine state (`Sharding`) this group belongs to, held weakly
+        self.mesh, self.layout, self.offload = mesh, layout, offload
+        self.flat = FlatLayout.build(named_params, global_names, layout, tuple(mesh.get_coordinate()))
         self.streams = streams or SyncStreams()
-        self.is_expert = False  # set by the model: which mesh this group is on
-        self.unit_index = 0  # set by the model: position of the owning unit (root last)
-        self.coord = tuple(mesh.get_coordinate())
-        self.process_groups = [mesh.get_group(name) for name in layout.names]
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for name, param in named_params:
-            self.slots.append(ParamSlot(name, param, param.shape, offset))
-            offset += param.numel()
-        self.numel = offset
-        self.padded = layout.padded_numel(offset)
-        self.param_range = layout.shard_range(State.PARAM, self.coord, self.padded)
-        self.grad_range = layout.range_over(self.plan.microbatch_reduce, self.coord, self.padded)
-        self.optim_range = layout.shard_range(State.OPTIM, self.coord, self.padded)
+        self.comms = GroupComms(mesh, self.flat)
+        self.locations = locations
         source = named_params[0][1]
         self.compute_dtype = mp.param_dtype or source.dtype
-        self.reduce_dtype = mp.reduce_dtype
-        device = source.device
+        self.device = source.device
 
-        full = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for slot in self.slots:
-                full[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+                full[slot.offset : slot.stop].copy_(slot.param.detach().reshape(-1))
+        param_slice = slice(*self.param_range)
         self.param_shard: torch.Tensor | None = None
         if self.compute_dtype == torch.float32 and not offload:
             # fp32 compute: the optimizer steps the parameter shard itself (its piece is a sub-range).
-            self.param_shard = full[slice(*self.param_range)].clone()
-            lo = self.param_range[0]
-            self.main = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
+            self.param_shard = full[param_slice].clone()
+            self.main = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
         else:
             main = full[slice(*self.optim_range)]
             self.main = _to_host(main) if offload else main.clone()
             if offload or self.param_range != self.optim_range:  # offloaded: gathers must not read host memory
-                self.param_shard = full[slice(*self.param_range)].to(self.compute_dtype, copy=True)
+                self.param_shard = full[param_slice].to(self.compute_dtype, copy=True)
         del full
-        self._host_grad: torch.Tensor | None = None  # offload: where the reduced gradient goes for the optimizer
-        self.main_params: list = []  # set by the model: the MainParams aliasing `main`
         # Whether `unsharded` is built (gathered, or cast from `main`) each time the unit runs.
-        self.transient_unsharded = bool(self.plan.param_gather) or self.param_shard is None
+        self.transient_unsharded = bool(self.flat.plan.param_gather) or self.param_shard is None
         if self.transient_unsharded:
-            self.unsharded = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
+            self.unsharded = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
         else:
             self.unsharded = self.param_shard
         for slot in self.slots:
-            slot.param.data = self.unsharded[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        self.is_unsharded = True
-        self._gathering, self._gather_event = False, None  # a gather in flight, and its event
-        self._publish_event = None  # the post-step gather of new weights, until compute has waited on it
+            slot.param.data = self.unsharded[slot.offset : slot.stop].view(slot.shape)
+        self.state = ParamState.UNSHARDED
+        self._gather_event = None  # GATHERING: the event of the gather in flight
+        self._new_weights = None  # the post-step gather of new weights, until compute has waited on it
+        self.main_params: list[MainParam] = build_main_params(self)
+        self.grads = GradBuffer(self.flat, self.comms, self.streams, mp.reduce_dtype, self.device)
+        self._host_grad: torch.Tensor | None = None  # offload: where the reduced gradient goes for the optimizer
+        self._computing = True  # whether the modules hold the compute parameters (not the main params)
         self.reshard()
-        self.device = device
-        self._grad_buffer: torch.Tensor | None = None  # allocated by the first backward, freed by zero_grad
-        self._reduction_in_flight: tuple = ()  # (event, tensors the reduce stream still reads)
+        self.hold_main_params()
+
+    # -- the flat layout, for readers --------------------------------------------------
+
+    @property
+    def slots(self):
+        return self.flat.slots
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel
+
+    @property
+    def padded(self) -> int:
+        return self.flat.padded
+
+    @property
+    def param_range(self) -> tuple[int, int]:
+        return self.flat.param_range
+
+    @property
+    def grad_range(self) -> tuple[int, int]:
+        return self.flat.grad_range
+
+    @property
+    def optim_range(self) -> tuple[int, int]:
+        return self.flat.optim_range
+
+    @property
+    def coord(self) -> tuple[int, ...]:
+        return self.flat.coord
+
+    @property
+    def plan(self):
+        return self.flat.plan
+
+    # -- what the modules hold -------------------------------------------------------------
+
+    def hold_compute_params(self) -> None:
+        """Point every module attribute of this group at its compute parameter (the unit is about to compute)."""
+        if not self._computing:
+            for slot, places in zip(self.slots, self.locations, strict=True):
+                for module, attr in places:
+                    module._parameters[attr] = slot.param
+            self._computing = True
+
+    def hold_main_params(self) -> None:
+        """Point every module attribute of this group at this rank's main param (the unit is done computing)."""
+        if self._computing:
+            for piece, places in zip(self.main_params, self.locations, strict=True):
+                for module, attr in places:
+                    module._parameters[attr] = piece.param
+            self._computing = False
 
     # -- parameters ------------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """Gather the parameters into `unsharded` and make compute wait for them."""
-        self.start_unshard()
-        self.finish_unshard()
-
     def start_unshard(self) -> None:
         """Allocate `unsharded` (on the compute stream) and gather into it on the gather stream."""
-        if self.is_unsharded or self._gathering:
+        if self.state is not ParamState.SHARDED:
             return
         self.unsharded.untyped_storage().resize_(self.padded * self.unsharded.element_size())
         allocated = self.streams.record("compute")
@@ -165,221 +193,65 @@ class FlatParamGroup:
             if piece is None:  # cast the main weights into this rank's slot: the gather is then in place
                 piece = self.unsharded[slice(*self.param_range)]
                 piece.copy_(self.main)
-            axes = self.layout.sharded_axes(State.PARAM)
-            self._gather(piece, axes, self.plan.param_gather, self.unsharded, 0)
+            sharded = self.layout.sharded_axes(State.PARAM)
+            self.comms.gather(piece, sharded, self.plan.param_gather, self.unsharded, 0)
             self._gather_event = self.streams.record("gather")
-        self._gathering = True
+        self.state = ParamState.GATHERING
 
     def finish_unshard(self) -> None:
         """Make the compute stream wait for an in-flight gather (and for the last step's new weights)."""
         self.wait_for_publish()
-        if self._gathering:
+        if self.state is ParamState.GATHERING:
             self.streams.wait("compute", self._gather_event)
-            self._gather_event, self._gathering = None, False
-            self.is_unsharded = True
+            self._gather_event = None
+            self.state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the unsharded parameters (only where they are sharded), after any gather into them."""
         self.finish_unshard()
-        if self.transient_unsharded and self.is_unsharded:
+        if self.transient_unsharded and self.state is ParamState.UNSHARDED:
             self.unsharded.untyped_storage().resize_(0)
-            self.is_unsharded = False
+            self.state = ParamState.SHARDED
 
-    def _gather(self, piece, sharded, axes, out: torch.Tensor, out_start: int) -> None:
-        """All-gather `piece` over `axes`, outer first, growing it inside `out` (which starts at `out_start`).
+    # -- gradients (`grads` does the work; the main params' `.grad` are set here) -------------
 
-        Each step's input is already in its own slot of the step's output, which
-        is the in-place all-gather both NCCL and gloo support.
-        """
-        sharded = list(sharded)
-        for k in axes:
-            sharded.remove(k)
-            start, stop = self.layout.range_over(tuple(sharded), self.coord, self.padded)
-            target = out[start - out_start : stop - out_start]
-            comm.all_gather(target, piece, self.process_groups[k], self.layout.names[k])
-            piece = target
-
-    # -- gradients -------------------------------------------------------------------
-
-    @property
-    def grad_buffer(self) -> torch.Tensor:
-        """The gradient piece (reduce dtype); exists from the first backward of a step until `zero_grad`.
-
-        Not holding it between steps keeps it out of the forward's activation peak,
-        as FSDP2 does by setting gradients to None.
-        """
-        if self._grad_buffer is None:
-            length = self.grad_range[1] - self.grad_range[0]
-            self._grad_buffer = torch.zeros(length, dtype=self.reduce_dtype, device=self.device)
-        return self._grad_buffer
-
-    def accumulate_grads(self, scale: float, last: bool = True) -> None:
-        """Move this microbatch's parameter grads into the flat buffers and reduce; scale once per step.
-
-        Gradients enter the buffers as they are: an upcast copy on a step's first
-        microbatch, an add after it. Reduce-scatters over the inner axis where
-        gradients are sharded (every microbatch); elsewhere gradients accumulate
-        unreduced. On the `last` microbatch of the step the once-per-step
-        reductions over the remaining axes follow straight away (inner first), so
-        that an HSDP all-reduce or an HFSDP outer reduce-scatter overlaps the
-        backward of earlier units instead of running after the whole backward.
-        Then this rank's optimizer piece, now the sum over microbatches and ranks,
-        is multiplied by `scale` (the mean-loss factor): one pass over 1/s_o of
-        the elements per step, instead of a broadcast multiply (which does not
-        vectorise) over every element on every microbatch. Everything runs on the
-        reduce stream; `release_reduction` makes compute wait for it.
-        """
-        self.release_reduction()
-        inputs: list[torch.Tensor] = []
-        microbatch = None
-        if self.plan.microbatch_reduce:
-            flat = self._written_grads()
-            first = self._grad_buffer is None
-            if first:  # the first microbatch reduce-scatters straight into a fresh buffer
-                length = self.grad_range[1] - self.grad_range[0]
-                self._grad_buffer = torch.empty(length, dtype=self.reduce_dtype, device=self.device)
-            reduced = self._grad_buffer if first else torch.empty_like(self._grad_buffer)
-            microbatch = (flat, reduced, first)
-            inputs += [flat, reduced]
-        elif self._grad_buffer is None:  # the step's first microbatch writes its gradients: nothing to add them to
-            self._grad_buffer = self._written_grads()
-        else:
-            self._fill(self._grad_buffer, accumulate=True)
-        steps = self._final_steps() if last else []
-        rescale = last and scale != 1.0
-        if microbatch is None and not steps:
-            if rescale:
-                self.main_grad.mul_(scale)
-            return
-        filled = self.streams.record("compute")  # after every allocation above: the reduce stream may write them
-        with self.streams.side("reduce"):
-            self.streams.wait("reduce", filled)
-            if microbatch is not None:
-                flat, reduced, first = microbatch
-                (k,) = self.plan.microbatch_reduce
-                comm.reduce_scatter(reduced, flat, self._group(k), self._name(k))
-                if not first:
-                    self._grad_buffer.add_(reduced)
-            for k, view, out, target in steps:
-                if out is None:
-                    comm.all_reduce(view, self._group(k), self._name(k))
-                else:
-                    comm.reduce_scatter(out, view, self._group(k), self._name(k))
-                    target.copy_(out)
-                    inputs.append(out)
-            if rescale:
-                self.main_grad.mul_(scale)
-            self._reduction_in_flight = (self.streams.record("reduce"), *inputs)
-
-    def _final_steps(self) -> list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-        """The once-per-step reductions as (axis, input view, output or None for all-reduce, copy target).
-
-        Outputs are allocated here, on the compute stream, before the reduce
-        stream is allowed to run. Each reduce-scatter narrows the buffer range
-        that holds this rank's gradient; the last one ends on the optimizer range.
-        """
-        lo, hi = self.grad_range
-        current = (lo, hi)
-        sharded = list(self.plan.microbatch_reduce)
-        steps = []
-        for k, op in self.plan.final_reduce:
-            view = self.grad_buffer[current[0] - lo : current[1] - lo]
-            if op == "all_reduce":
-                steps.append((k, view, None, None))
-                continue
-            sharded.append(k)
-            start, stop = self.layout.range_over(tuple(sharded), self.coord, self.padded)
-            out = torch.empty(stop - start, dtype=view.dtype, device=view.device)
-            steps.append((k, view, out, self.grad_buffer[start - lo : stop - lo]))
-            current = (start, stop)
-        assert current == self.optim_range, f"reduction ends on {current}, optimizer owns {self.optim_range}"
-        return steps
-
-    def release_reduction(self) -> None:
-        """Make compute wait for this group's in-flight reduction, then drop the buffers it reads."""
-        if self._reduction_in_flight:
-            self.streams.wait("compute", self._reduction_in_flight[0])
-            self._reduction_in_flight = ()
-
-    def _written_grads(self) -> torch.Tensor:
-        """A new padded buffer of the reduction dtype holding this microbatch's grads (and zero padding)."""
-        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
-        flat[self.numel :].zero_()
-        self._fill(flat, accumulate=False)
-        return flat
-
-    def _fill(self, flat: torch.Tensor, accumulate: bool) -> None:
-        """Write (or add) each parameter's grad into its slot, upcast to the reduction dtype; then drop the grads.
-
-        Writing, when every parameter has a grad, is one `torch._foreach_copy_` for
-        the whole group: on an H200 it moved a Llama layer's gradients at 3.1 TB/s
-        with 0.03 ms of host time, against 1.7 TB/s and 0.10 ms for a `copy_` per
-        parameter and 1.0 TB/s and 0.29 ms for `torch._chunk_cat`
-        (`bench/bench_grad_copy.py`). Otherwise one kernel per parameter; slots of
-        parameters without a grad are zeroed when writing.
-        """
-        grads = [slot.param.grad for slot in self.slots]
-        views = [flat[slot.offset : slot.offset + slot.numel] for slot in self.slots]
-        if not accumulate and all(g is not None for g in grads):
-            torch._foreach_copy_(views, [g.reshape(-1) for g in grads])
-        else:
-            for view, grad in zip(views, grads, strict=True):
-                if grad is None:
-                    if not accumulate:
-                        view.zero_()
-                elif accumulate:
-                    view.add_(grad.reshape(-1))
-                else:
-                    view.copy_(grad.reshape(-1))
-        for slot in self.slots:
-            slot.param.grad = None
-
-    @property
-    def main_grad(self) -> torch.Tensor:
-        """The reduced gradient of this rank's optimizer piece (a view into `grad_buffer`)."""
-        lo = self.grad_range[0]
-        return self.grad_buffer[self.optim_range[0] - lo : self.optim_range[1] - lo]
-
-    @property
-    def holds_grads(self) -> bool:
-        return self._grad_buffer is not None
-
-    def expose_grads(self, copy: bool) -> None:
-        """Point each main param's `.grad` at its piece of the reduced gradient (after the last microbatch).
+    def expose_grads(self, pieces: list[MainParam], copy: bool) -> None:
+        """Point the `.grad` of `pieces` (this group's) at their part of the reduced gradient.
 
         With an fp32 reduction the `.grad` is a view and costs nothing, so it is set
         as soon as backward ends. With another reduce dtype it must be an fp32 copy
-        (an optimizer steps fp32 main params): `copy=True` makes it, which the model
-        does only right before the optimizer step, so the copy is not held through
-        the rest of the step.
+        (an optimizer steps fp32 main params): `copy=True` makes it, which is done only
+        right before the optimizer step, so the copy is not held through the rest of
+        the step. Offloaded, `copy=True` stages the reduced gradient in host memory.
         """
+        if not self.grads.holds:
+            return
         if self.offload:
             if copy:
-                self._stage_grads_on_host()
+                self._stage_grads_on_host(pieces)
             return
-        if self.reduce_dtype != torch.float32 and not copy:
+        if self.grads.reduce_dtype != torch.float32 and not copy:
             return
-        for piece in self.main_params:
-            if piece.param.grad is None:
+        for piece in pieces:
+            if piece.holds and piece.param.grad is None:
                 piece.param.grad = piece.grad_view()
 
-    def _stage_grads_on_host(self) -> None:
+    def _stage_grads_on_host(self, pieces: list[MainParam]) -> None:
         """Offload: copy the reduced gradient of the optimizer range into host memory (asynchronously; the model
-        synchronizes once for all groups before the optimizer reads it) and point the main params at it."""
+        synchronizes once for all groups before the optimizer reads it) and point `pieces` at it."""
         if self._host_grad is None:
             self._host_grad = _to_host(torch.empty(self.main.numel(), dtype=torch.float32, device=self.device))
-        self._host_grad.copy_(self.main_grad, non_blocking=True)
-        for piece in self.main_params:
-            numel = piece.stop - piece.start
-            piece.param.grad = self._host_grad[piece.offset : piece.offset + numel].view(piece.param.shape)
+        self._host_grad.copy_(self.grads.main_grad, non_blocking=True)
+        for piece in pieces:
+            if piece.holds:
+                numel = piece.stop - piece.start
+                piece.param.grad = self._host_grad[piece.offset : piece.offset + numel].view(piece.param.shape)
 
-    def zero_grad(self) -> None:
-        """Free the gradient buffer (after any reduction into it) and the main params' views of it; the next
-        backward starts from zero."""
-        self.release_reduction()
+    def release_grads(self) -> None:
+        """Drop every main param's `.grad` and free the gradient buffer (after any reduction into it)."""
         for piece in self.main_params:
             piece.param.grad = None
-        self._grad_buffer = None
+        self.grads.free()
 
     # -- after the optimizer step ----------------------------------------------------
 
@@ -397,18 +269,18 @@ class FlatParamGroup:
         """
         if self.param_shard is not None:
             lo = self.param_range[0]
-            piece = self.param_shard[self.optim_range[0] - lo : self.optim_range[1] - lo]
+            piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
             if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
                 piece.copy_(self.main, non_blocking=self.offload)  # from pinned host memory when offloaded
             if self.plan.post_step_gather:
                 written = self.streams.record("compute")
                 with self.streams.side("gather"):
                     self.streams.wait("gather", written)
-                    axes = self.layout.sharded_axes(State.OPTIM)
-                    self._gather(piece, axes, self.plan.post_step_gather, self.param_shard, lo)
-                    self._publish_event = self.streams.record("gather")
-        if self.transient_unsharded and self.is_unsharded:
-            self.is_unsharded = False
+                    sharded = self.layout.sharded_axes(State.OPTIM)
+                    self.comms.gather(piece, sharded, self.plan.post_step_gather, self.param_shard, lo)
+                    self._new_weights = self.streams.record("gather")
+        if self.transient_unsharded and self.state is ParamState.UNSHARDED:
+            self.state = ParamState.SHARDED  # stale: gather again (the storage is still there)
             self.start_unshard()  # on the gather stream, after the gather above
 
     def compute_shard(self) -> torch.Tensor:
@@ -418,24 +290,16 @@ class FlatParamGroup:
 
     def wait_for_publish(self) -> None:
         """Make compute wait for the post-step gather of new weights, before anything reads them."""
-        if self._publish_event is not None:
-            self.streams.wait("compute", self._publish_event)
-            self._publish_event = None
-
-    # -- helpers ---------------------------------------------------------------------
-
-    def _group(self, k: int) -> dist.ProcessGroup:
-        return self.process_groups[k]
-
-    def _name(self, k: int) -> str:
-        return self.layout.names[k]
+        if self._new_weights is not None:
+            self.streams.wait("compute", self._new_weights)
+            self._new_weights = None
 
     def state_bytes(self) -> int:
         """Model-state bytes on this rank's device as the memory model counts them: the compute-dtype parameter
         shard where one is kept, the gradient piece, and the fp32 main weights where they are neither that shard
         nor offloaded to host memory."""
         shard = 0 if self.param_shard is None else self.param_shard.numel() * self.param_shard.element_size()
-        grad = (self.grad_range[1] - self.grad_range[0]) * self.reduce_dtype.itemsize
+        grad = (self.grad_range[1] - self.grad_range[0]) * self.grads.reduce_dtype.itemsize
         separate = self.compute_dtype != torch.float32 and not self.offload
         main = self.main.numel() * self.main.element_size() if separate else 0
         return shard + grad + main

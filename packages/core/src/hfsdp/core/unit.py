@@ -6,6 +6,10 @@ States of a unit during one microbatch, driven by module and autograd hooks:
             --pre-backward (grad of an output)--> UNSHARDED
             --post-backward (grad of an input, or end of backward)--> grads reduced, SHARDED
 
+While a unit computes (from pre-forward to post-forward, and from pre-backward to
+post-backward) its modules hold the compute parameters; otherwise they hold the
+rank's main params, what an optimizer steps (`FlatParamGroup.hold_*`).
+
 Post-backward fires when the gradient with respect to the unit's inputs is
 ready. The autograd engine runs gradient accumulation before any other ready
 node, so at that point every parameter gradient of the unit has arrived. Units
@@ -16,14 +20,13 @@ collectives in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hfsdp.core.flat_group import FlatParamGroup
+from hfsdp.core.step import StepContext
 
 
 def _grad_tensors(tree) -> list[torch.Tensor]:
@@ -38,32 +41,24 @@ class ShardedUnit:
         self,
         module: nn.Module,
         groups: list[FlatParamGroup],
+        step: StepContext,
         *,
-        is_root: bool,
-        reshard_after_forward: bool = True,
-        grad_scale: Callable[[], float],
-        is_last_microbatch: Callable[[], bool],
-        on_backward: Callable[[], None],
-        on_forward: Callable[[], None] | None = None,
+        reshard_after_forward: bool,
         input_dtype: torch.dtype | None = None,
     ):
-        self.module, self.groups, self.is_root = module, groups, is_root
+        self.module, self.groups, self.step = module, groups, step
         self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating inputs are cast to the compute dtype (root only)
-        self._grad_scale, self._is_last_microbatch = grad_scale, is_last_microbatch
-        self._on_backward, self._on_forward = on_backward, on_forward
         self.reduced = True  # nothing pending before the first backward
-        # Set by the model: the unit whose gather to start when this one starts, in each direction.
+        # The unit whose gather to start when this one starts, in each direction: `link`ed once all units exist.
         self.prefetch_forward: ShardedUnit | None = None
         self.prefetch_backward: ShardedUnit | None = None
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True),
-            module.register_forward_hook(self._post_forward),
-        ]
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True)
+        module.register_forward_hook(self._post_forward)
 
-    def unshard(self) -> None:
-        for group in self.groups:
-            group.unshard()
+    def link(self, forward: ShardedUnit | None, backward: ShardedUnit | None) -> None:
+        """Name the units that run right after this one in forward and in backward."""
+        self.prefetch_forward, self.prefetch_backward = forward, backward
 
     def start_unshard(self) -> None:
         """Issue this unit's gathers without waiting for them (prefetch)."""
@@ -72,20 +67,19 @@ class ShardedUnit:
 
     def _unshard_and_prefetch(self, following: ShardedUnit | None) -> None:
         """Wait for this unit's parameters, then start the next unit's gather so it overlaps our compute."""
-        for group in self.groups:
-            group.start_unshard()
+        self.start_unshard()
         if following is not None:
             following.start_unshard()
         for group in self.groups:
             group.finish_unshard()
+            group.hold_compute_params()
 
     def reshard(self) -> None:
         for group in self.groups:
             group.reshard()
+            group.hold_main_params()
 
     def _pre_forward(self, module, args, kwargs):
-        if self._on_forward is not None:
-            self._on_forward()
         self._unshard_and_prefetch(self.prefetch_forward)
         if self.input_dtype is not None:
             args, kwargs = tree_map(self._cast, (args, kwargs))
@@ -104,13 +98,16 @@ class ShardedUnit:
     def _post_forward(self, module, args, output):
         if self.reshard_after_forward:
             self.reshard()
+        else:  # the parameters stay gathered for backward, but outside compute the modules hold the main params
+            for group in self.groups:
+                group.hold_main_params()
         outputs = _grad_tensors(output)
         if outputs:
             register_multi_grad_hook(outputs, self._pre_backward_hook, mode="any")
         return output
 
     def _pre_backward_hook(self, grad) -> None:
-        self._on_backward()
+        self.step.enter_backward()
         self._unshard_and_prefetch(self.prefetch_backward)
 
     def _post_backward_hook(self, grad) -> None:
@@ -120,12 +117,8 @@ class ShardedUnit:
         """Move this microbatch's gradients into the flat buffers and free the parameters."""
         if self.reduced:
             return
-        scale, last = self._grad_scale(), self._is_last_microbatch()
+        scale, last = self.step.grad_scale, self.step.is_last
         for group in self.groups:
-            group.accumulate_grads(scale, last)
+            group.grads.accumulate(scale, last)
         self.reshard()
         self.reduced = True
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()

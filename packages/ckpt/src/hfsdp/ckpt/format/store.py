@@ -91,6 +91,20 @@ def is_unpublished(root: Path, step: int) -> bool:
     return latest is None or step > latest
 
 
+def save_conflict(root: str | Path, step: int) -> Path | None:
+    """The published checkpoint that a save of `step` into `root` would have to overwrite, or None.
+
+    A save never overwrites a published step. A `step-N` above the step `latest` names (left by a crash
+    after the step was renamed into place and before `latest` moved) is an orphan, not a published
+    checkpoint: saving step N again replaces it, so it is no conflict.
+    """
+    root = Path(root)
+    target = root / step_dir_name(step)
+    if entry_kind(target) is None or is_unpublished(root, step):
+        return None
+    return target
+
+
 def newest_complete(root: Path) -> Path | None:
     """The `step-N` directory of `root` with the highest N that has an index; a symlinked one is refused."""
     try:

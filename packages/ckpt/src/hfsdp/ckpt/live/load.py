@@ -37,7 +37,7 @@ from hfsdp.ckpt.format.store import resolve
 from hfsdp.ckpt.live import optim_state
 from hfsdp.ckpt.live import rng as rng_states
 from hfsdp.ckpt.live.agree import agree
-from hfsdp.ckpt.live.model_state import local_groups, unsharded_state
+from hfsdp.ckpt.live.model_state import engine_of, local_groups, unsharded_state
 from hfsdp.ckpt.tensors.reader import CheckpointReader
 from hfsdp.ckpt.tensors.writer import torch_dtype
 
@@ -53,6 +53,7 @@ def load_checkpoint(
     of the checkpoint must be present with its recorded size; the files this
     rank reads are checksummed unless `verify_checksums` is False.
     """
+    model = engine_of(model)  # the engine state: every helper below reads and writes through it
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_dir, index = agree(lambda: _open(path))
     module_tensors = unsharded_state(model)
@@ -68,8 +69,7 @@ def load_checkpoint(
     plan, rng = agree(lambda: _prepare(ckpt_dir, index, model, optimizer, module_tensors, rng_meta, verify_checksums))
     states = agree(lambda: _fill(ckpt_dir, index, model, module_tensors, plan))
 
-    for group in model.groups:  # collective: every rank, every group, model order
-        group.publish_main_weights()
+    model.republish()  # collective: every rank, every group, model order
     if optimizer is not None:
         optim_state.restore(optimizer, model, index.optimizer, states)
     if rng is not None:
@@ -140,6 +140,8 @@ def _prepare(
     plan = []  # (kind, global name, start in the flat tensor, destination)
     states = index.optimizer["states"] if optimizer is not None else []
     for piece in model.main_params:
+        if not piece.holds:
+            continue
         plan.append((MAIN, piece.name, piece.start, piece.param.detach().view(-1)))  # read in place
         for kind in states:
             dtype = torch_dtype(index.tensors[kind][piece.name].dtype)

@@ -1,26 +1,43 @@
-"""What a checkpoint needs from a live ShardedModel and optimizer, in checkpoint terms.
+"""What a checkpoint needs from a live sharded model and optimizer, in checkpoint terms.
 
-This is the only module that knows the engine's objects: every group as a
-`GroupSpec` under global names, the piece of every tensor this rank holds, and the module tensors the engine leaves
-alone (the optimizer's state is `optim_state.py`'s). Save and load speak to the
-engine only through it.
+This is the only module that knows the engine's objects (`hfsdp.core.sharding_of(model)`):
+every group as a `GroupSpec` under global names, the piece of every tensor this rank holds,
+and the module tensors the engine leaves alone (the optimizer's state is `optim_state.py`'s).
+Save and load speak to the engine only through it; each function takes the engine state
+(`engine_of(model)`), not the module.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.index import MAIN, MODEL, GroupSpec
 from hfsdp.ckpt.tensors.writer import dtype_name
+from hfsdp.core.main_params import piece_of
+from hfsdp.core.sharding import Sharding, sharding_of
+
+
+def engine_of(model) -> Sharding:
+    """The engine state of a model `fully_shard` sharded (or the state itself)."""
+    return model if isinstance(model, Sharding) else sharding_of(model)
 
 
 def ep_rank_of(model, rank: int) -> int:
     return rank % model.config.ep
 
 
+def module_state(model) -> dict[str, object]:
+    """The module's own state dict (keep_vars): its main params and buffers, no collective (the sharded module's
+    `state_dict()` is the gathered full one)."""
+    model = engine_of(model)
+    return nn.Module.state_dict(model.module, keep_vars=True)
+
+
 def local_groups(model, rank: int) -> list[GroupSpec]:
     """This rank's groups, in model order, under global names."""
+    model = engine_of(model)
     if model.config.ep > 1 and model.expert_naming is None and any(g.is_expert for g in model.groups):
         raise CheckpointError(
             f"The model has expert parameters and ep = {model.config.ep}, but no ExpertNaming: their local names "
@@ -33,7 +50,7 @@ def local_groups(model, rank: int) -> list[GroupSpec]:
             g.is_expert,
             dtype_name(g.compute_dtype),
             ep_rank_of(model, rank) if g.is_expert else None,
-            tuple((model.global_name(g, s.name), tuple(s.shape)) for s in g.slots),
+            tuple((s.global_name, tuple(s.shape)) for s in g.slots),
         )
         for g in model.groups
     ]
@@ -41,11 +58,10 @@ def local_groups(model, rank: int) -> list[GroupSpec]:
 
 def local_order(model) -> list[str]:
     """Global names of this rank's parameters and unsharded tensors in the module's state-dict order."""
-    names = {s.name: model.global_name(g, s.name) for g in model.groups for s in g.slots}
+    model = engine_of(model)
+    names = {s.name: s.global_name for g in model.groups for s in g.slots}
     unsharded = dict(_unsharded_items(model))
-    return [
-        names.get(n) or unsharded[n][0] for n in model.module.state_dict(keep_vars=True) if n in names or n in unsharded
-    ]
+    return [names.get(n) or unsharded[n][0] for n in module_state(model) if n in names or n in unsharded]
 
 
 def unsharded_state(model) -> dict[str, torch.Tensor]:
@@ -58,6 +74,7 @@ def unsharded_state(model) -> dict[str, torch.Tensor]:
     equal within an expert-parallel rank's replicas. Non-tensor extra state is
     not saved.
     """
+    model = engine_of(model)
     return dict(_unsharded_items(model).values())
 
 
@@ -68,12 +85,11 @@ def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
     is one entry of the state dict per name but one sharded parameter, held
     under its first name: its other names are aliases, not tensors of their own.
     """
-    sharded = {s.name for g in model.groups for s in g.slots}
-    sharded_ids = {id(s.param) for g in model.groups for s in g.slots}
+    model = engine_of(model)
     naming = model.expert_naming
     out = {}
-    for name, value in model.module.state_dict(keep_vars=True).items():
-        if name in sharded or not isinstance(value, torch.Tensor) or id(value) in sharded_ids:
+    for name, value in module_state(model).items():
+        if not isinstance(value, torch.Tensor) or piece_of(value) is not None:
             continue
         out[name] = (naming.to_global(name) if naming is not None else name, value)
     return out
@@ -89,11 +105,14 @@ def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -
     every other kind the optimizer's per-element state (`kinds` limits them).
     Waits first for the post-step gathers, which may still read the main weights.
     """
+    model = engine_of(model)
     model.wait_for_weights()
     out: dict[tuple[str, str], torch.Tensor] = {}
     for group in model.groups:
         shard = group.compute_shard()
         for piece in group.main_params:
+            if not piece.holds:
+                continue
             start = group.optim_range[0] + piece.offset - group.param_range[0]
             out[MODEL, piece.name] = shard[start : start + piece.param.numel()]
             out[MAIN, piece.name] = piece.param.detach().view(-1)

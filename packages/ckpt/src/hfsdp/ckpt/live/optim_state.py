@@ -48,16 +48,20 @@ def _json_value(value: Any) -> Any:
 
 
 def _members(optimizer, model):
-    """(group index, parameter, its MainParam) of every parameter the optimizer steps; anything that is not one of
-    the model's main params cannot be checkpointed by name, and is refused."""
+    """(group index, parameter, its MainParam) of every parameter the optimizer steps. A frozen tensor (a module
+    buffer-like parameter that needs no gradient, which `model.parameters()` also yields) is never stepped and is
+    passed over; any other tensor that is not one of the model's main params cannot be checkpointed by name, and is
+    refused."""
     pieces = {id(p.param): p for p in model.main_params}
     for index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             piece = pieces.get(id(param))
+            if piece is None and not param.requires_grad:
+                continue
             if piece is None:
                 raise CheckpointError(
                     f"Parameter group {index} of the optimizer holds a tensor that is not one of the model's main "
-                    "params; build the optimizer from model.named_main_params() or hfsdp.core.param_groups(model), "
+                    "params; build the optimizer from model.parameters() or hfsdp.core.param_groups(model), "
                     "so that its state can be checkpointed and resharded."
                 )
             yield index, param, piece
@@ -69,6 +73,8 @@ def local_report(model, optimizer) -> Report:
     kinds, scalars, stateless = {}, {}, []
     for index, param, piece in _members(optimizer, model):
         groups[index]["names"].append(piece.name)
+        if not piece.holds:  # this rank holds no element of it: no state, nothing to report
+            continue
         state = optimizer.state.get(param, {})
         if not state:
             stateless.append(piece.name)
@@ -205,7 +211,11 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
     for group in optimizer.param_groups:
         ids = []
         for param in group["params"]:
-            piece = pieces[id(param)]
+            piece = pieces.get(id(param))
+            if piece is None or not piece.holds:  # frozen, or no element here: no state
+                ids.append(index)
+                index += 1
+                continue
             entry = {kind: tensors[kind, piece.name].view(param.shape) for kind in record["states"]}
             for key, scalar in record["scalars"].items():
                 value = scalar["values"][piece.name]

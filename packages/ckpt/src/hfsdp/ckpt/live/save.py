@@ -43,7 +43,7 @@ from hfsdp.ckpt.format.store import LATEST, TMP_PREFIX, atomic_write_text, is_un
 from hfsdp.ckpt.live import optim_state
 from hfsdp.ckpt.live import rng as rng_states
 from hfsdp.ckpt.live.agree import agree, as_checkpoint_error
-from hfsdp.ckpt.live.model_state import local_groups, local_order, piece_tensors, unsharded_state
+from hfsdp.ckpt.live.model_state import engine_of, local_groups, local_order, piece_tensors, unsharded_state
 from hfsdp.ckpt.tensors.build import file_entries, index_tensors, index_unsharded, plan_unsharded
 from hfsdp.ckpt.tensors.writer import TensorFileWriter, dtype_name
 
@@ -70,6 +70,7 @@ def save_checkpoint(
     Hugging Face directory (`model_record.py`). Returns the checkpoint
     directory on every rank.
     """
+    model = engine_of(model)  # the engine state: every helper below reads and writes through it
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
     agree(lambda: _check_step(step))

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from hfsdp.core.config import LayoutConfig
 from hfsdp.core.expert_naming import ExpertNaming
-from hfsdp.core.flat_group import MixedPrecision
 from hfsdp.core.mesh import HybridMeshes, build_meshes, check_axis
-from hfsdp.core.sharded_model import ShardedModel, fully_shard
+from hfsdp.core.mixed_precision import MixedPrecision
+from hfsdp.core.module import fully_shard
 from hfsdp.models.megatron.cpu_shim import apply_cpu_shim, define_missing_te_symbols
 
 
@@ -81,15 +81,32 @@ def expert_naming_for(cfg: LayoutConfig) -> ExpertNaming | None:
 
 
 def shard_megatron_model(
-    model: torch.nn.Module, cfg: LayoutConfig, device_type: str, mp: MixedPrecision | None = None, **options
-) -> ShardedModel:
-    """Shard a GPTModel: each transformer layer is a unit, the root holds embeddings and output layer.
+    model: torch.nn.Module,
+    cfg: LayoutConfig,
+    device_type: str,
+    mp: MixedPrecision | None = None,
+    *,
+    offload: bool = False,
+    reshard_root_after_forward: bool = False,
+    streams=None,
+) -> torch.nn.Module:
+    """Shard a GPTModel in place: each transformer layer is a unit, the root holds embeddings and output layer.
 
-    `options` go to `fully_shard` (e.g. `offload=True`)."""
+    The meshes are checked against megatron-core's process groups first; the keyword arguments are
+    `fully_shard`'s."""
     meshes = build_meshes(cfg, device_type)
     check_meshes_against_megatron(meshes, cfg)
     layers = list(model.decoder.layers)
     naming = expert_naming_for(cfg)
     return fully_shard(
-        model, cfg, meshes, units=layers, mp=mp, is_expert=is_expert_param, expert_naming=naming, **options
+        model,
+        cfg,
+        meshes,
+        units=layers,
+        mp=mp,
+        is_expert=is_expert_param,
+        expert_naming=naming,
+        offload=offload,
+        reshard_root_after_forward=reshard_root_after_forward,
+        streams=streams,
     )
