@@ -6,5 +6,5 @@ venv=$(mktemp -d)/venv
 "${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/python" -m pip install -q "${TORCH_SPEC-torch==2.13.0}"
 "$venv/bin/python" -m pip install -q -e packages/core
-"$venv/bin/python" scripts/core_alone.py
+"$venv/bin/python" -W ignore::UserWarning scripts/core_alone.py
 rm -rf "$(dirname "$venv")"

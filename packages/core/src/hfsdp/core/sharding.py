@@ -185,6 +185,7 @@ class Sharding:
         for group in self.groups:
             group.grads.release()
         if self.step.is_last:
+            self._check_in_place(self.main_params)
             for group in self.groups:
                 group.expose_grads(group.main_params, copy=False)
             self.pending = {p.name for p in self.main_params}
@@ -237,7 +238,9 @@ class Sharding:
         """A main param moved off the main weights (`.to`, `.double()` on a submodule after sharding) would train
         a copy the model never sees again: refuse it at the next step."""
         for piece in pieces:
-            if piece.holds and piece.param.data_ptr() != piece.group.main[piece.offset :].data_ptr():
+            main = piece.group.main
+            moved = piece.param.dtype != main.dtype or piece.param.device != main.device
+            if moved or (piece.holds and piece.param.data_ptr() != main[piece.offset :].data_ptr()):
                 raise RuntimeError(
                     f"parameter '{piece.name}' no longer lives in hfsdp's main weights (it was moved or converted "
                     f"after fully_shard, now {piece.param.dtype} on {piece.param.device}): the optimizer would "
