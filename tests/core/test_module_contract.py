@@ -24,6 +24,16 @@ from tests.support.toy_models import GLOBAL_BATCH, OPTIMIZERS, global_batch, mak
 STEPS, CLIP = 3, 0.05
 MODES = ("fp32", "bf16", "offload", "bf16+offload")
 LAYOUTS = {"one rank": 1, "HFSDP 2x2": 4}
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 32,
+}
 
 
 # -- what every rank runs ----------------------------------------------------------------------------
@@ -168,18 +178,7 @@ def _generate(rank: int, world: int) -> dict:
     """A transformers Llama keeps `config` and `generate`: greedy decoding equals the unsharded model's."""
     from hfsdp.models import hf
 
-    config = hf.config_from_dict(
-        {
-            "model_type": "llama",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 64,
-            "max_position_embeddings": 32,
-        }
-    )
+    config = hf.config_from_dict(TINY_LLAMA)
     model = hf.build_causal_lm(config, seed=0)
     sharded = _shard(world, "fp32", model)
     prompt = torch.arange(5).reshape(1, 5)
@@ -351,18 +350,7 @@ def test_a_transformers_model_keeps_generate_and_config(runs, layout):
     model's tokens."""
     from hfsdp.models import hf
 
-    config = hf.config_from_dict(
-        {
-            "model_type": "llama",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 64,
-            "max_position_embeddings": 32,
-        }
-    )
+    config = hf.config_from_dict(TINY_LLAMA)
     plain = hf.build_causal_lm(config, seed=0)
     with torch.no_grad():
         want = plain.generate(torch.arange(5).reshape(1, 5), max_new_tokens=4, do_sample=False, pad_token_id=0)
