@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from hfsdp.ckpt.format.pieces import plan_writes
 from hfsdp.ckpt.tensors.reader import CheckpointReader
 from hfsdp.core.config import LayoutConfig
 
-from tests.support.ckpt_files import as_legacy_optimizer, synthetic_checkpoint, synthetic_groups
+from tests.support.ckpt_files import as_legacy_optimizer, edit_index, synthetic_checkpoint, synthetic_groups
 from tests.support.ckpt_models import NUM_EXPERTS
 
 LAYOUTS = [
@@ -209,3 +210,40 @@ def test_load_refuses_a_model_whose_buffers_differ_from_the_checkpoint(tmp_path)
         with pytest.raises(CheckpointError) as err:
             _check_unsharded(tmp_path, index, gathered)
         assert words in str(err.value)
+
+
+def test_a_destination_beside_the_source_with_the_same_prefix_is_accepted(tmp_path):
+    """`ck` -> `ck-out` (and `ck.hf`) is beside the source, not inside it: a string-prefix test would refuse it."""
+    synthetic_checkpoint(tmp_path / "ck", {"world_size": 2})
+    reshard(tmp_path / "ck", tmp_path / "ck-out", LayoutConfig(world_size=3, inner="optim"))
+    verify(tmp_path / "ck-out")
+    export(tmp_path / "ck", tmp_path / "ck.hf", format="megatron")
+    assert any((tmp_path / "ck.hf").glob("*.safetensors"))
+
+
+def test_an_index_with_its_pieces_out_of_order_reads_the_same_tensors(tmp_path):
+    """The format does not order a tensor's pieces: an index listing them in reverse (resealed) verifies, reads
+    every tensor as written and reshards to the same files as the original."""
+    tensors = synthetic_checkpoint(tmp_path / "a", {"world_size": 4, "instances": 2, "outer": "optim"})
+    shutil.copytree(tmp_path / "a", tmp_path / "shuffled")
+
+    def reverse(data):
+        for kinds in (data["tensors"], {"unsharded": data.get("unsharded", {})}):
+            for entries in kinds.values():
+                for entry in entries.values():
+                    entry["pieces"].reverse()
+
+    edit_index(tmp_path / "shuffled", reverse)
+    assert any(len(e.pieces) > 1 for e in read_index(tmp_path / "shuffled").tensors["main"].values())
+    verify(tmp_path / "shuffled")
+    index = read_index(tmp_path / "shuffled")
+    with CheckpointReader(tmp_path / "shuffled", index) as reader:
+        for kind, entries in tensors.items():
+            for name, full in entries.items():
+                got = torch.empty(full.numel(), dtype=full.dtype)
+                reader.read_into(kind, name, 0, got)
+                assert torch.equal(got, full.reshape(-1)), (kind, name)
+    target = LayoutConfig(world_size=3, inner="optim_grads")
+    reshard(tmp_path / "a", tmp_path / "a3", target)
+    reshard(tmp_path / "shuffled", tmp_path / "s3", target)
+    assert _file_hashes(tmp_path / "a3") == _file_hashes(tmp_path / "s3")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -131,6 +132,7 @@ def _world4_cases(rank, world, root):
     out["bf16"] = {name: _bf16_step(rank, world, layout) for name, layout in BF16_LAYOUTS.items()}
     out["offload"] = _offloaded(rank, world)
     out["root resharded"] = _root_resharded(rank, world)
+    out["edges"] = _edges(rank, world)
     return out
 
 
@@ -153,6 +155,105 @@ def _root_resharded(rank, world):
     opt = OPTIMIZERS["sgd"](sharded.parameters())
     losses, norms = _train(sharded, opt, rank, world, clip=CLIP)
     return {"held after forward": held_after_forward, "losses": losses, "norms": norms, "pieces": _pieces(sharded)}
+
+
+# -- edges a planted bug slipped past: a clip limit above the norm, a parameter without a gradient -------------
+
+EDGE_LAYOUTS = {
+    "ZeRO-3 1x4": ("no_shard", "optim_grads_params", 1),
+    "DDP 1x4": ("no_shard", "no_shard", 1),
+    "ZeRO-1 1x4": ("no_shard", "optim", 1),
+    "HSDP 2x2": ("no_shard", "optim_grads_params", 2),
+    "HFSDP 2x2": ("optim", "optim_grads_params", 2),
+}
+LOOSE_CLIP = 1e3  # far above every gradient norm of the toy: clipping must leave the gradients alone
+
+
+def _with_unused(model):
+    """The toy with a parameter no forward reaches (an unused branch of unit 1, initialised from its own seed)."""
+    torch.manual_seed(5)
+    model.layers[1].unused = torch.nn.Linear(16, 16)
+    return model
+
+
+@contextmanager
+def _poisoned():
+    """Every fresh gradient buffer filled with NaN, so an element the engine forgets to write shows."""
+    from hfsdp.core.grad_buffer import GradBuffer
+
+    original = GradBuffer._empty
+    GradBuffer._empty = lambda self, extent: original(self, extent).fill_(float("nan"))
+    try:
+        yield
+    finally:
+        GradBuffer._empty = original
+
+
+def _edges(rank, world):
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard
+
+    out = {}
+    for name, layout in EDGE_LAYOUTS.items():
+        sharded = _shard(world, layout)
+        opt = OPTIMIZERS["sgd"](sharded.parameters())
+        losses, norms = _train(sharded, opt, rank, world, clip=LOOSE_CLIP)
+        out[name, "loose clip"] = {"losses": losses, "norms": norms, "pieces": _pieces(sharded)}
+        outer, inner, instances = layout
+        cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
+        model = _with_unused(make_toy())
+        with _poisoned():
+            sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers))
+            opt = OPTIMIZERS["sgd"](sharded.parameters())
+            losses, _ = _train(sharded, opt, rank, world, steps=2)
+        out[name, "unused"] = {"losses": losses, "pieces": _pieces(sharded)}
+    return out
+
+
+@pytest.mark.parametrize("layout", list(EDGE_LAYOUTS))
+def test_a_clip_limit_above_the_norm_leaves_the_gradients_alone(world4, layout):
+    """Clipping at a limit far above the gradient norm is the unclipped run (the coefficient is clamped at 1):
+    losses, norms and parameters equal the reference clipped at the same limit, which torch leaves unscaled."""
+    ref_losses, ref_params, ref_norms = reference_run(STEPS, "sgd", clip=LOOSE_CLIP)
+    assert max(ref_norms) < LOOSE_CLIP
+    case = world4[0]["edges"][layout, "loose clip"]
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    shapes = {n: p.shape for n, p in ref_params.items()}
+    params = _assemble([r["edges"][layout, "loose clip"]["pieces"] for r in world4], shapes)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _unused_reference(steps: int):
+    """The toy with its unused parameter in one process; a parameter without a gradient gets a zero one (the
+    engine's flat buffers hold a zero gradient for it, as Megatron's do, so momentum and decay apply)."""
+    model = _with_unused(make_toy())
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    losses = []
+    for step in range(steps):
+        loss = model(*global_batch(step))
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", list(EDGE_LAYOUTS))
+def test_a_parameter_without_a_gradient_gets_a_zero_one(world4, layout):
+    """A parameter no forward reaches, in gradient buffers poisoned with NaN: its gradient is exactly zero on every
+    microbatch (never what the allocator held), so losses and parameters equal the reference, where it gets a zero
+    gradient."""
+    ref_losses, ref_params = _unused_reference(2)
+    case = world4[0]["edges"][layout, "unused"]
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    shapes = {n: p.shape for n, p in ref_params.items()}
+    params = _assemble([r["edges"][layout, "unused"]["pieces"] for r in world4], shapes)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _world6_cases(rank, world, root):

@@ -23,7 +23,14 @@ from tests.support.toy_models import GLOBAL_BATCH, OPTIMIZERS, global_batch, mak
 
 STEPS, CLIP = 3, 0.05
 MODES = ("fp32", "bf16", "offload", "bf16+offload")
-LAYOUTS = {"one rank": 1, "HFSDP 2x2": 4}
+#: name -> (world, outer, inner, instances)
+LAYOUTS = {
+    "one rank": (1, "no_shard", "optim_grads_params", 1),
+    "HFSDP 2x2": (4, "optim", "optim_grads_params", 2),
+    "ZeRO-1 1x4": (4, "no_shard", "optim", 1),  # keeps a bf16 parameter copy: stale after a step, the loss stays flat
+}
+#: the modes run on each layout (ZeRO-1 in fp32 is covered by tests/core/test_engine.py)
+LAYOUT_MODES = {"ZeRO-1 1x4": ("bf16", "bf16+offload")}
 TINY_LLAMA = {
     "model_type": "llama",
     "hidden_size": 32,
@@ -39,11 +46,12 @@ TINY_LLAMA = {
 # -- what every rank runs ----------------------------------------------------------------------------
 
 
-def _shard(world: int, mode: str, model=None):
+def _shard(layout: str, mode: str, model=None):
     from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard
 
     model = make_toy() if model is None else model
-    cfg = LayoutConfig(world_size=world, outer="optim" if world > 1 else "no_shard", instances=2 if world > 1 else 1)
+    world, outer, inner, instances = LAYOUTS[layout]
+    cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
     mp = MixedPrecision(param_dtype=torch.bfloat16) if "bf16" in mode else None
     units = list(model.layers) if hasattr(model, "layers") else list(model.model.layers)
     return fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=units, mp=mp, offload="offload" in mode)
@@ -84,7 +92,7 @@ def _full_weights(model) -> dict[str, torch.Tensor] | None:
     return {k: v.clone() for k, v in sd.items()} or None
 
 
-def _habits(rank: int, world: int, mode: str, tmp: str) -> dict:
+def _habits(rank: int, world: int, layout: str, mode: str, tmp: str) -> dict:
     import torch.distributed as dist
 
     from hfsdp.core import HFSDPModule, global_grad_norm, sharding_of
@@ -96,7 +104,7 @@ def _habits(rank: int, world: int, mode: str, tmp: str) -> dict:
     model = make_toy()
     model.note = "kept"
     names = [n for n, _ in model.named_parameters()]
-    returned = _shard(world, mode, model)
+    returned = _shard(layout, mode, model)
     out["same object"] = returned is model
     out["isinstance"] = isinstance(model, Toy) and isinstance(model, HFSDPModule)
     out["attribute"] = model.note
@@ -120,8 +128,8 @@ def _habits(rank: int, world: int, mode: str, tmp: str) -> dict:
     sd = model.state_dict()
     out["b empty elsewhere"] = (rank == 0) == bool(sd)
     if rank == 0:
-        torch.save(sd, f"{tmp}/{mode}-{world}.pt")
-        back = torch.load(f"{tmp}/{mode}-{world}.pt")
+        torch.save(sd, f"{tmp}/{mode}-{layout}.pt")
+        back = torch.load(f"{tmp}/{mode}-{layout}.pt")
         plain = Toy()
         plain.load_state_dict(back)
         out["b loaded"] = {k: v.clone() for k, v in plain.state_dict().items()}
@@ -163,7 +171,7 @@ def _habits(rank: int, world: int, mode: str, tmp: str) -> dict:
         out["d submodule"] = str(err)
 
     # e. Two optimizers: AdamW for matrices, SGD with momentum for vectors (by dim, as nanoGPT splits them).
-    model = _shard(world, mode)
+    model = _shard(layout, mode)
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     adamw = OPTIMIZERS["adamw"](matrices)
@@ -174,29 +182,54 @@ def _habits(rank: int, world: int, mode: str, tmp: str) -> dict:
     return out
 
 
-def _generate(rank: int, world: int) -> dict:
+def _generate(layout: str) -> dict:
     """A transformers Llama keeps `config` and `generate`: greedy decoding equals the unsharded model's."""
     from hfsdp.models import hf
 
     config = hf.config_from_dict(TINY_LLAMA)
     model = hf.build_causal_lm(config, seed=0)
-    sharded = _shard(world, "fp32", model)
+    sharded = _shard(layout, "fp32", model)
     prompt = torch.arange(5).reshape(1, 5)
     with torch.no_grad():
         tokens = sharded.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    return {"class": type(sharded).__mro__[2].__name__, "vocab": sharded.config.vocab_size, "tokens": tokens}
+    return {
+        "class": type(sharded).__mro__[2].__name__,
+        "vocab": sharded.config.vocab_size,
+        "tokens": tokens,
+        "groups": _decay_groups(sharded),
+        "toy groups": _decay_groups(_shard(layout, "fp32")),
+    }
 
 
-def _all(rank: int, world: int, tmp: str) -> dict:
-    out = {mode: _habits(rank, world, mode, tmp) for mode in MODES}
-    out["generate"] = _generate(rank, world)
+def _decay_groups(model) -> dict[str, set[str]]:
+    """The parameter names `param_groups` puts in each group, with the group's weight decay."""
+    from hfsdp.core import param_groups
+    from hfsdp.core.main_params import piece_of
+
+    return {
+        f"{g['name']} {g['weight_decay']}": {piece_of(p).name for p in g["params"]} for g in param_groups(model, 0.1)
+    }
+
+
+def _all(rank: int, world: int, tmp: str, layouts: list[str]) -> dict:
+    out = {}
+    for index, layout in enumerate(layouts):
+        out[layout] = {mode: _habits(rank, world, layout, mode, tmp) for mode in LAYOUT_MODES.get(layout, MODES)}
+        if index == 0:
+            out[layout]["generate"] = _generate(layout)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Each layout's results, a list over its ranks; one spawned group per world size."""
     tmp = str(tmp_path_factory.mktemp("contract"))
-    return {name: run_distributed(_all, world, tmp) for name, world in LAYOUTS.items()}
+    out = {}
+    for world in sorted({w for w, *_ in LAYOUTS.values()}):
+        names = [name for name, (w, *_) in LAYOUTS.items() if w == world]
+        ranks = run_distributed(_all, world, tmp, names)
+        out.update({name: [r[name] for r in ranks] for name in names})
+    return out
 
 
 # -- the references: the unsharded model, trained the same way in one process -------------------------------
@@ -248,7 +281,8 @@ def _tolerance(mode: str) -> dict:
     return {"rtol": 1e-4, "atol": 1e-5} if "bf16" in mode else {"rtol": 1e-5, "atol": 1e-6}
 
 
-CASES = [(layout, mode) for layout in LAYOUTS for mode in MODES]
+CASES = [(layout, mode) for layout in LAYOUTS for mode in LAYOUT_MODES.get(layout, MODES)]
+GENERATED = ["one rank", "HFSDP 2x2"]  # the first layout of each world also runs the transformers model
 
 
 @pytest.mark.parametrize(("layout", "mode"), CASES)
@@ -267,7 +301,7 @@ def test_fully_shard_returns_the_module_itself(runs, layout, mode):
 def test_an_optimizer_over_model_parameters_trains_like_the_unsharded_model(runs, layout, mode):
     """AdamW over `model.parameters()`, clipped by `torch.nn.utils.clip_grad_norm_(model.parameters())`: the
     losses, the global norms torch's utility returned, and the weights equal the unsharded model's."""
-    ref_losses, ref_weights, ref_norms = _reference(mode, LAYOUTS[layout])
+    ref_losses, ref_weights, ref_norms = _reference(mode, LAYOUTS[layout][0])
     losses, norms = runs[layout][0][mode]["a"]
     tol = _tolerance(mode)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
@@ -300,7 +334,7 @@ def test_load_state_dict_writes_the_weights_and_they_last(runs, layout, mode):
     other = make_toy(seed=7)
     for name, value in other.state_dict().items():
         torch.testing.assert_close(case["c weights"][name], value, rtol=0, atol=0, msg=name)
-    world = LAYOUTS[layout]
+    world = LAYOUTS[layout][0]
     want = []
     for step in range(STEPS, STEPS + 2):
         if "bf16" in mode:
@@ -334,7 +368,7 @@ def test_two_optimizers_each_train_their_parameters(runs, layout, mode):
     only what it stepped, so both train, to the unsharded model's losses and weights under the same split."""
     case = runs[layout][0][mode]
     tol = _tolerance(mode)
-    ref_losses, ref_weights, _ = _reference(mode, LAYOUTS[layout], split=True, clip=None)
+    ref_losses, ref_weights, _ = _reference(mode, LAYOUTS[layout][0], split=True, clip=None)
     losses, _ = case["e"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
     initial = make_toy().state_dict()
@@ -344,17 +378,35 @@ def test_two_optimizers_each_train_their_parameters(runs, layout, mode):
     assert case["e norm method"] == 0.0
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", GENERATED)
 def test_a_transformers_model_keeps_generate_and_config(runs, layout):
     """A sharded LlamaForCausalLM is still one: its `config` is there and greedy `generate` gives the unsharded
     model's tokens."""
-    from hfsdp.models import hf
-
-    config = hf.config_from_dict(TINY_LLAMA)
-    plain = hf.build_causal_lm(config, seed=0)
+    plain = _tiny_llama()
     with torch.no_grad():
         want = plain.generate(torch.arange(5).reshape(1, 5), max_new_tokens=4, do_sample=False, pad_token_id=0)
     for rank in runs[layout]:
         case = rank["generate"]
         assert case["class"] == "LlamaForCausalLM" and case["vocab"] == 64
         assert torch.equal(case["tokens"], want)
+
+
+@pytest.mark.parametrize("layout", GENERATED)
+def test_param_groups_follow_megatrons_no_decay_rule(runs, layout):
+    """`param_groups(model, 0.1)` decays the matrices only: norm weights (1-D), biases and embeddings get no weight
+    decay, on every rank the same names (empty pieces included)."""
+    llama = dict(_tiny_llama().named_parameters())
+    toy = dict(make_toy().named_parameters())
+    for rank in runs[layout]:
+        groups = rank["generate"]["groups"]
+        assert groups["no_decay 0.0"] == {n for n in llama if "norm" in n or "embed" in n}
+        assert groups["decay 0.1"] == set(llama) - groups["no_decay 0.0"]
+        toy_groups = rank["generate"]["toy groups"]
+        assert toy_groups["no_decay 0.0"] == {n for n in toy if n.endswith(".bias")}
+        assert toy_groups["decay 0.1"] == {n for n in toy if n.endswith(".weight")}
+
+
+def _tiny_llama():
+    from hfsdp.models import hf
+
+    return hf.build_causal_lm(hf.config_from_dict(TINY_LLAMA), seed=0)
