@@ -12,6 +12,7 @@ parameters of a run share one dtype (fp32 main weights), so a unit has at most t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache, cached_property
 
 from hfsdp.core.comm_plan import CommPlan, plan_for
 from hfsdp.core.config import LayoutConfig
@@ -35,29 +36,34 @@ class Group:
     layout: MeshLayout
     plan: CommPlan
 
-    @property
+    @cached_property
     def padded(self) -> int:
         return self.layout.padded_numel(self.numel)
 
-    @property
+    @cached_property
     def param_len(self) -> int:
         """Elements of the rank's parameter piece (`FlatParamGroup.param_range`)."""
-        return self.padded // self.layout.shard_factor(State.PARAM)
+        return self.padded // shard_factor(self.layout, State.PARAM)
 
-    @property
+    @cached_property
     def grad_len(self) -> int:
         """Elements of the gradient buffer kept between microbatches: cut only by the per-microbatch reduction."""
         return self.layout.range_over(self.plan.microbatch_reduce, self._origin, self.padded)[1]
 
-    @property
+    @cached_property
     def optim_len(self) -> int:
         """Elements of the rank's optimizer piece, padding included (the fp32 main weights cover it)."""
-        return self.padded // self.layout.shard_factor(State.OPTIM)
+        return self.padded // shard_factor(self.layout, State.OPTIM)
 
     @property
     def optim_real(self) -> int:
         """Real (unpadded) elements of rank 0's optimizer piece: what AdamW keeps state for."""
         return min(self.optim_len, self.numel)
+
+    @property
+    def kind(self) -> tuple:
+        """Everything but the unit: groups of the same kind have the same buffers and collectives."""
+        return (self.is_root, self.expert, self.numel, self.layout, self.plan)
 
     @property
     def gathers_params(self) -> bool:
@@ -66,6 +72,25 @@ class Group:
     @property
     def _origin(self) -> tuple[int, ...]:
         return (0,) * len(self.layout.axes)
+
+
+@cache
+def sharded_axes(layout: MeshLayout, state: State) -> tuple[int, ...]:
+    """`layout.sharded_axes(state)`, remembered: a plan asks it of the same few layouts thousands of times."""
+    return layout.sharded_axes(state)
+
+
+@cache
+def shard_factor(layout: MeshLayout, state: State) -> int:
+    return layout.shard_factor(state)
+
+
+def kinds(groups: list[Group]) -> list[tuple[Group, int]]:
+    """One group of each kind with how many there are: a model's identical layers are counted, not repeated."""
+    counts: dict[tuple, list] = {}
+    for g in groups:
+        counts.setdefault(g.kind, [g, 0])[1] += 1
+    return [(g, n) for g, n in counts.values()]
 
 
 def groups_for(shape: ModelShape, cfg: LayoutConfig) -> list[Group]:

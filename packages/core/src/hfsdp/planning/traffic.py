@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
 
+from hfsdp.core.layout import MeshLayout
 from hfsdp.core.placement_names import State
-from hfsdp.planning.groups import Group
+from hfsdp.planning.groups import Group, kinds, sharded_axes
 
 FORWARD, BACKWARD, MICROBATCH, FINAL, POST_STEP = "forward", "backward", "microbatch", "final", "post_step"
 
@@ -52,14 +54,23 @@ class Collective:
 
 def gathers(group: Group, index: int, phase: str, state: State, axes: tuple[int, ...], size: int) -> list[Collective]:
     """The all-gathers that grow a piece of `state` over `axes` (outer first), as `FlatParamGroup._gather` issues."""
-    layout, origin = group.layout, (0,) * len(group.layout.axes)
-    sharded = list(layout.sharded_axes(state))
+    return [
+        Collective(index, phase, "all_gather", axis, group_size, numel, size)
+        for axis, group_size, numel in _gather_steps(group.layout, state, axes, group.padded)
+    ]
+
+
+@cache
+def _gather_steps(layout: MeshLayout, state: State, axes: tuple[int, ...], padded: int) -> tuple:
+    """(axis, group size, output elements) of each all-gather; the same for every unit of a size, so remembered."""
+    origin = (0,) * len(layout.axes)
+    sharded = list(sharded_axes(layout, state))
     out = []
     for k in axes:
         sharded.remove(k)
-        start, stop = layout.range_over(tuple(sharded), origin, group.padded)
-        out.append(Collective(index, phase, "all_gather", layout.names[k], layout.axes[k].size, stop - start, size))
-    return out
+        start, stop = layout.range_over(tuple(sharded), origin, padded)
+        out.append((layout.names[k], layout.axes[k].size, stop - start))
+    return tuple(out)
 
 
 def parameter_gather(group: Group, index: int, phase: str, compute_bytes: int) -> list[Collective]:
@@ -115,6 +126,19 @@ def step_collectives(
                 out += final_reductions(group, index, reduce_bytes)
     for index, group in enumerate(groups):
         out += post_step_gather(group, index, compute_bytes)
+    return out
+
+
+def step_bytes(
+    groups: list[Group], microbatches: int, compute_bytes: int, reduce_bytes: int = 4, root_resharded: bool = False
+) -> dict[str, float]:
+    """`bytes_per_axis(step_collectives(...))`, computed once per kind of group (a plan's hot path)."""
+    out: dict[str, float] = {}
+    for group, count in kinds(groups):
+        for axis, sent in bytes_per_axis(
+            step_collectives([group], microbatches, compute_bytes, reduce_bytes, root_resharded)
+        ).items():
+            out[axis] = out.get(axis, 0.0) + count * sent
     return out
 
 
