@@ -56,11 +56,13 @@ def layout_name(cfg: LayoutConfig) -> str:
     return f"{named or f'{cfg.outer.zero_name} over {cfg.inner.zero_name}'} {shape}"
 
 
-def candidate_layouts(world: int, **fields) -> list[LayoutConfig]:
+def candidate_layouts(world: int, gpus_per_node: int = 8, **fields) -> list[LayoutConfig]:
     """Every valid layout of `world` ranks; `fields` are the LayoutConfig fields all of them share (ep, experts,
-    batch sizes). Layouts the rules refuse (an expert constraint, say) are left out."""
+    batch sizes). Layouts the rules refuse (an expert constraint, say) are left out, and so are hybrids with one rank
+    per instance where a node has several GPUs (the outer axis would do all the work of a one-axis layout)."""
     specs = [(Strategy.NO_SHARD, inner, 1) for inner in Strategy]
-    specs += [(o, i, r) for r in range(2, world + 1) if world % r == 0 for o, i in PAIRS]
+    instances = [r for r in range(2, world + 1) if world % r == 0 and (r < world or gpus_per_node == 1)]
+    specs += [(o, i, r) for r in instances for o, i in PAIRS]
     out = []
     for outer, inner, instances in specs:
         try:
@@ -98,7 +100,7 @@ def plan_layouts(shape: ModelShape, cluster: Cluster, run: Settings, mfu: float,
     """Every candidate evaluated, fastest first (layouts that do not fit after those that do)."""
     rows = [
         evaluate(shape, cfg, cluster, run, mfu, is_standard(cfg, cluster))
-        for cfg in candidate_layouts(cluster.world, **fields)
+        for cfg in candidate_layouts(cluster.world, cluster.gpus_per_node, **fields)
     ]
     return sorted(rows, key=lambda r: (not r.fits, r.time.step_s, r.memory.total))
 
