@@ -45,7 +45,7 @@ def plan_inputs(flags: dict[str, Any]) -> PlanInputs:
 
     problems: list[Problem] = []
     cluster_values: dict[str, Any] = {}
-    for flag, attr, default, type_, _ in CLUSTER_FLAGS:
+    for flag, attr, _default, type_, _help in CLUSTER_FLAGS:
         value = flags.get(attr)
         if value is None:
             continue
