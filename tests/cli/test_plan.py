@@ -72,7 +72,7 @@ def test_70b_memory_matches_hand_computed_figures(plan_70b, name, param_shards, 
     """Model state per rank from formulas.md's rules (bf16 shard only where s_p != s_o, fp32 main weights and Adam's
     two moments over s_o, fp32 gradients over the inner shard) and the backward-phase peak from docs/planning.md's
     terms, computed here by hand, equal the plan's bytes exactly."""
-    h, f, layers, heads, kv, vocab, head, layer, root = _hand_70b()
+    h, f, layers, heads, kv, _vocab, head, layer, root = _hand_70b()
     world, c, tokens = NODES * GPUS, 2, SEQ  # bf16; one sequence per microbatch
     for numel in (layer, root):
         assert numel % world == 0  # these sizes need no padding: every piece below is exact
