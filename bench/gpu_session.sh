@@ -11,6 +11,8 @@
 #   memgpt     per-rank peak memory of the GPT in every 2- and 8-rank layout, one process simulating rank 0 on
 #              the fake process group (--simulate-world: real allocations, no communication)
 #   memllama   the same for the Llama
+#   plan       bench/plan_check.py: hfsdp plan's peak memory (14 simulated layouts of both models) and 1-GPU step time
+#              against measurement; a short table last, logs and JSON in OUT_DIR/plan
 #   e2e        hfsdp train on the GPU: a Hugging Face model (bf16, --offload optim, schedule, eval) saved at step 3,
 #              resumed to step 6 and compared with the uninterrupted run; then exported and loaded by transformers
 # EXTRA: what gpt1 and llama1 add to the timing (default: --profile --memory-trace).
@@ -57,6 +59,7 @@ for phase in $phases; do
               >"$out/$phase-$world.log" 2>&1
             grep "^| hfsdp\|^| fsdp2" "$out/$phase-$world.log"
           done ;;
+    plan) timeout 560 python3 bench/plan_check.py "$out/plan" | tee "$out/plan.log" ;;
     e2e) bash bench/gpu_e2e.sh "$out" ;;
   esac
 done

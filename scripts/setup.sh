@@ -10,4 +10,4 @@ PYTHON=${PYTHON:-python3}
 if [ -n "${TORCH_SPEC-torch==2.13.0}" ]; then
   .venv/bin/python -m pip install -q "${TORCH_SPEC-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e packages/core -e packages/ckpt -e "packages/cli[dev]"
+.venv/bin/python -m pip install -q -e packages/core -e packages/ckpt -e "packages/cli[dev,plot]"

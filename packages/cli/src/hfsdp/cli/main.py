@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from hfsdp.cli.ckpt import app as ckpt_app
+from hfsdp.cli.plan import plan
 from hfsdp.cli.train import train
 from hfsdp.cli.validate import validate_config
 
@@ -54,4 +55,5 @@ def _help(command) -> str:
 
 app.command("train", help=_help(train))(train)
 app.command("validate-config", help=_help(validate_config))(validate_config)
+app.command("plan", help=_help(plan))(plan)
 app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard, import (Hugging Face) and export checkpoints.")

@@ -88,6 +88,10 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
         if rank == 0:
             say(done)
         return 0
+    refused = _memory(cfg, rank, local_ranks)
+    if refused is not None:
+        report([refused], "the run cannot start")
+        return EXIT_UNUSABLE
     resumed_from = str(plan.checkpoint) if plan.checkpoint else None
     if torchrun_world is not None:
         from hfsdp.cli.worker import run_rank
@@ -98,6 +102,19 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
     from hfsdp.cli.launch import launch
 
     return launch(cfg, resumed_from)
+
+
+def _memory(cfg, rank: int, local_ranks: int):
+    """Say the model's size and the memory a rank needs (rank 0); the refusal when a rank has less."""
+    from hfsdp.cli.memory_check import check, estimate, start_line
+
+    try:
+        shape, mem = estimate(cfg)
+    except ValueError:
+        return None  # an unreadable --model-config was reported by the checks before this one
+    if rank == 0:
+        say(start_line(cfg, shape, mem))
+    return check(cfg, mem, shape, local_ranks)
 
 
 def _under_torchrun() -> bool:

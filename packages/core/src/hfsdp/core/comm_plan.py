@@ -11,6 +11,10 @@
 
 Gathers run outer axis first and reductions inner axis first, which keeps every
 intermediate piece contiguous under the shard order of `layout.py`.
+
+Nothing here imports torch: the placements are read as names (`placement_names.py`),
+so `hfsdp plan` and other tools that only describe a layout get the engine's own
+collective plan in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hfsdp.core.layout import MeshLayout
-from hfsdp.core.placement import State, is_shard
+from hfsdp.core.placement_names import State, is_shard_name
 
 
 @dataclass(frozen=True)
@@ -31,17 +35,17 @@ class CommPlan:
 
 def plan_for(layout: MeshLayout) -> CommPlan:
     """The collectives of `layout`; axes of size 1 need none and are left out (one GPU runs no copies)."""
-    placements = layout.placements
+    param, grad, optim = (layout.placement_names(state) for state in (State.PARAM, State.GRAD, State.OPTIM))
     inner = len(layout.axes) - 1
     busy = [k for k in range(len(layout.axes)) if layout.axes[k].size > 1]
     param_sharded = tuple(k for k in layout.sharded_axes(State.PARAM) if k in busy)
-    microbatch = (inner,) if is_shard(placements.grad[inner]) and inner in busy else ()
+    microbatch = (inner,) if is_shard_name(grad[inner]) and inner in busy else ()
     final = tuple(
-        (k, "reduce_scatter" if is_shard(placements.optim[k]) else "all_reduce")
+        (k, "reduce_scatter" if is_shard_name(optim[k]) else "all_reduce")
         for k in reversed(busy)
         if k not in microbatch
     )
-    post_step = tuple(k for k in busy if is_shard(placements.optim[k]) and not is_shard(placements.param[k]))
+    post_step = tuple(k for k in busy if is_shard_name(optim[k]) and not is_shard_name(param[k]))
     return CommPlan(
         param_gather=param_sharded, microbatch_reduce=microbatch, final_reduce=final, post_step_gather=post_step
     )

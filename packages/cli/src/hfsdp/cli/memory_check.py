@@ -1,0 +1,99 @@
+"""What `hfsdp train` says and checks about memory before any rank starts, from the planner's memory model.
+
+At the start: one line with the model's parameter count and the per-rank memory the layout
+needs, split as `hfsdp plan` splits it. Then the check: a run whose estimate exceeds what a
+rank has (the GPU's memory when training on CUDA; on the CPU, the host's available memory
+shared by the local ranks) is refused with one paragraph saying what it would need and which
+layouts of the same ranks would fit. The estimate counts the model (its states, buffers and
+activations), not the framework's own memory (CUDA context, imported libraries).
+"""
+
+from __future__ import annotations
+
+from hfsdp.cli.plan_inputs import default_mfu, layout_fields, model_shape, step_settings
+from hfsdp.cli.train_config import TrainConfig
+from hfsdp.core.config import Problem
+from hfsdp.planning.activations import activations
+from hfsdp.planning.candidates import layout_name, plan_layouts
+from hfsdp.planning.cluster import Cluster
+from hfsdp.planning.groups import groups_for
+from hfsdp.planning.memory import Memory, memory
+from hfsdp.planning.model_shape import ModelShape, billions
+
+GIB = 2**30
+#: How many layouts that fit a refusal names (hfsdp plan lists them all).
+NAMED_LAYOUTS = 4
+
+
+def estimate(cfg: TrainConfig) -> tuple[ModelShape, Memory]:
+    """The run's model and the per-rank memory at its step's peak (raises ValueError on an unreadable model)."""
+    shape = model_shape(cfg)
+    run = step_settings(cfg, shape)
+    acts = activations(shape, run.seq, run.micro_batch, run.compute_bytes, run.recompute)
+    return shape, memory(shape, groups_for(shape, cfg.layout), acts, run)
+
+
+def start_line(cfg: TrainConfig, shape: ModelShape, mem: Memory) -> str:
+    split = ", ".join(
+        f"{label} {value / GIB:.2f}"
+        for label, value in (
+            ("params", mem.params),
+            ("grads", mem.grads),
+            ("optimizer", mem.optimizer),
+            ("communication", mem.comm_buffers),
+            ("activations", mem.activations),
+        )
+    )
+    host = f"; {mem.host / GIB:.2f} GiB in host memory" if mem.host else ""
+    return (
+        f"model: {billions(shape.params)} parameters ({shape.params:,}); {layout_name(cfg.layout)} needs about "
+        f"{mem.total / GIB:.2f} GiB per rank ({split} GiB){host}"
+    )
+
+
+def capacity(cfg: TrainConfig, local_ranks: int) -> tuple[int, str] | None:
+    """Bytes one rank can use and what they are, or None when unknown."""
+    import torch
+
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"the GPU's {total / GIB:.1f} GiB"
+    available = _host_available()
+    if available is None:
+        return None
+    share = available // max(1, local_ranks)
+    return share, f"{share / GIB:.1f} GiB, the host's {available / GIB:.1f} GiB available shared by {local_ranks} ranks"
+
+
+def check(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: int) -> Problem | None:
+    """The refusal when the estimate exceeds what a rank has, else None."""
+    have = capacity(cfg, local_ranks)
+    if have is None or mem.total <= have[0]:
+        return None
+    limit, what = have
+    cluster = Cluster(nodes=1, gpus_per_node=cfg.layout.world_size, gpu_memory_gib=limit / GIB)
+    rows = plan_layouts(shape, cluster, step_settings(cfg, shape), default_mfu(shape), **layout_fields(cfg))
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: r.memory.total)[:NAMED_LAYOUTS]
+    if fitting:
+        names = ", ".join(f"{r.name} ({r.memory.total / GIB:.1f} GiB)" for r in fitting)
+        advice = f"layouts of the same {cfg.layout.world_size} ranks that fit: {names}; `hfsdp plan` compares them all"
+    else:
+        advice = f"no layout of {cfg.layout.world_size} ranks fits"
+    return Problem(
+        "memory",
+        f"this run would need about {mem.total / GIB:.1f} GiB per rank ({mem.params / GIB:.1f} parameters, "
+        f"{mem.grads / GIB:.1f} gradients, {mem.optimizer / GIB:.1f} optimizer state, {mem.comm_buffers / GIB:.1f} "
+        f"communication buffers, {mem.activations / GIB:.1f} activations, at its {mem.phase}), but a rank has {what}; "
+        f"{advice}. --recompute, --offload optim or a smaller --micro-batch-size also need less.",
+    )
+
+
+def _host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,123 @@
+"""Per-rank memory at the step's peak, split into parameters, gradients, optimizer state, communication
+buffers and activations, from the engine's own buffers (`FlatParamGroup`) group by group.
+
+What each group holds on the device (c = bytes of the compute dtype, gradients reduced in fp32):
+
+- parameters: the compute-dtype shard (`param_len · c`) where one is kept: with fp32 compute
+  (it then holds the main weights), with `offload`, or where parameters are sharded less than
+  the optimizer (s_p ≠ s_o); elsewhere every gather casts the main weights instead;
+- optimizer state: the fp32 main weights of the optimizer piece where they are a buffer of
+  their own (`optim_len · 4`), and AdamW's two moments for its real elements (`8 · optim_real`);
+  with `offload` all of it is in host memory, with a host copy of the reduced gradient;
+- gradients: the buffer kept between microbatches (`grad_len · 4`), alive from a step's first
+  backward to the optimizer step;
+- communication buffers: parameters gathered (or cast) for compute (`padded · c` per unit while
+  it runs, the next one prefetched) and the flat gradient a reduce-scatter reads.
+
+The step peaks at one of three moments, and the largest is reported with its split:
+the loss of the last microbatch (every layer's activations kept, the loss's own peak on top,
+gradient buffers present from the second microbatch on), the backward of the last layer (its
+gathered parameters, the prefetched next unit's, the root's, their gradients and the layer's
+backward workspace), and the optimizer step (all gradients, no activations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hfsdp.planning.activations import Activations
+from hfsdp.planning.groups import Group, kinds
+from hfsdp.planning.model_shape import ModelShape
+
+LOSS, BACKWARD, OPTIMIZER = "loss", "backward", "optimizer step"
+REDUCE_BYTES = 4  # gradients are reduced in fp32 (hfsdp train and the bench)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the memory and time of a step depend on besides the layout."""
+
+    seq: int
+    micro_batch: int
+    microbatches: int
+    compute_bytes: int  # 2 (bf16) or 4 (fp32)
+    recompute: bool = False
+    offload: bool = False
+    root_resharded: bool = False  # the root frees its parameters after forward (hfsdp train: Hugging Face models)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank's device at the step's peak, by kind; `host` is what `offload` keeps in host memory."""
+
+    params: int
+    grads: int
+    optimizer: int
+    comm_buffers: int
+    activations: int
+    host: int
+    phase: str
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.comm_buffers + self.activations
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "comm_buffers": self.comm_buffers,
+            "activations": self.activations,
+            "total": self.total,
+            "host": self.host,
+            "peak_at": self.phase,
+        }
+
+
+def keeps_shard(group: Group, c: int, offload: bool) -> bool:
+    """Whether `FlatParamGroup` keeps a compute-dtype parameter shard (else gathers cast the main weights)."""
+    return c == 4 or offload or group.param_len != group.optim_len
+
+
+def transient_unsharded(group: Group, c: int, offload: bool) -> bool:
+    """Whether the whole padded buffer is built each time the unit runs (gathered or cast), not kept."""
+    return group.gathers_params or not keeps_shard(group, c, offload)
+
+
+def memory(shape: ModelShape, groups: list[Group], acts: Activations, run: Settings) -> Memory:
+    """The peak of one step on rank 0 (which holds the most real optimizer elements of any rank)."""
+    c, offload = run.compute_bytes, run.offload
+    counted = kinds(groups)
+    params = sum(n * g.param_len * c for g, n in counted if keeps_shard(g, c, offload))
+    optim_len = sum(n * g.optim_len for g, n in counted)
+    main = 0 if c == 4 and not offload else 4 * optim_len
+    moments = sum(n * 8 * g.optim_real for g, n in counted)
+    optimizer, host = (0, main + moments + 4 * optim_len) if offload else (main + moments, 0)
+    grads = sum(n * g.grad_len * REDUCE_BYTES for g, n in counted)
+    earlier_grads = grads if run.microbatches > 1 else 0
+
+    def unsharded(unit: int) -> int:
+        return sum(g.padded * c for g in groups if g.unit == unit and transient_unsharded(g, c, offload))
+
+    root, last = len(shape.units) - 1, len(shape.units) - 2
+    root_held = shape.loss_inside or not run.root_resharded  # a loss outside the model runs after the root freed
+    at_loss = Memory(
+        params, earlier_grads, optimizer, unsharded(root) if root_held else 0, acts.at_loss(shape.layers), host, LOSS
+    )
+    layer_groups = [g for g in groups if g.unit == last]
+    flat = sum(g.padded * REDUCE_BYTES for g in layer_groups if g.plan.microbatch_reduce)
+    layer_grads = sum(g.numel * c for g in layer_groups)
+    gathered = unsharded(root) + unsharded(last) + (unsharded(last - 1) if last > 0 else 0)
+    root_grads = earlier_grads or shape.root.active_matmul * c  # the output layer's weight gradient, until the end
+    in_backward = Memory(
+        params,
+        root_grads,
+        optimizer,
+        gathered + layer_grads + flat,
+        shape.layers * acts.per_layer + acts.fixed + acts.backward_workspace,
+        host,
+        BACKWARD,
+    )
+    at_step = Memory(params, grads, optimizer, 0, acts.fixed, host, OPTIMIZER)
+    return max((at_loss, in_backward, at_step), key=lambda m: m.total)

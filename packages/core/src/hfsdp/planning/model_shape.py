@@ -1,0 +1,94 @@
+"""A model as the planner sees it: how many parameters each unit holds, and the sizes activations follow.
+
+The engine shards a model unit by unit (each transformer layer, then the root with
+everything else), and inside a unit groups parameters by mesh: dense parameters on the
+dense mesh, expert parameters on the expert mesh. Padding is per group, so the planner
+needs exactly these counts, not just the total. `gpt_shape.py` and `hf_shape.py` compute
+them in closed form; tests check them against the real models built on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: The families whose activations the planner models (docs/planning.md, "Activations").
+MEGATRON_GPT = "megatron-gpt"
+HF_FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+
+
+class ModelShapeError(ValueError):
+    """A model description the planner cannot turn into parameter counts; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class UnitParams:
+    """The parameter elements of one unit: dense ones, and expert ones over all experts (a rank holds 1/ep).
+
+    `active_matmul` is the weight elements one token multiplies on its way through the unit
+    (the router's top-k experts only), which is what its FLOPs follow.
+    """
+
+    name: str
+    dense: int
+    expert: int = 0
+    active_matmul: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder-only transformer and its units (layers first, the root last, as the engine orders them).
+
+    `loss_inside` is true when the model computes its loss in its own forward (megatron-core),
+    so the root's parameters are still gathered while the loss peaks.
+    """
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    norm: str  # "LayerNorm" or "RMSNorm"
+    gated: bool  # a gated MLP (SwiGLU): two input projections
+    units: tuple[UnitParams, ...]
+    experts: int | None = None
+    topk: int = 0
+    loss_inside: bool = False
+    max_positions: int | None = None
+
+    @property
+    def params(self) -> int:
+        """Every parameter, each expert counted once (tied embeddings once)."""
+        return sum(u.total for u in self.units)
+
+    @property
+    def root(self) -> UnitParams:
+        return self.units[-1]
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def describe(self) -> str:
+        """`llama, 80 layers, hidden 8192, 70.55B parameters`: what a report names the model by."""
+        moe = f", {self.experts} experts (top {self.topk})" if self.experts else ""
+        return f"{self.family}, {self.layers} layers, hidden {self.hidden}{moe}, {billions(self.params)} parameters"
+
+
+def billions(count: int) -> str:
+    """A parameter count people read: 936,513,536 -> '0.94B'; 7,241,732 -> '7.24M'."""
+    if count >= 10**9:
+        return f"{count / 1e9:.2f}B"
+    if count >= 10**6:
+        return f"{count / 1e6:.2f}M"
+    return f"{count:,}"
