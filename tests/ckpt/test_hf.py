@@ -312,7 +312,11 @@ IMPORT_ERRORS = {
         lambda p: (p / "config.json").write_text('{"model_type": "no-such-model"}'),
         "no-such-model",
     ),
-    "a config declaring a billion layers": ("llama untied", _set_config(num_hidden_layers=10**9), "1000000000 decoder"),
+    "a config declaring a billion layers": (
+        "llama untied",
+        _set_config(num_hidden_layers=10**9),
+        "num_hidden_layers 1000000000 is above 1,024",
+    ),
     "no weights": ("llama untied", lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
     "a weight missing": ("llama untied", _drop("model.layers.1.mlp.up_proj.weight"), "'model.layers.1.mlp.up_proj"),
     "an extra weight": ("llama untied", _add("model.layers.0.extra.weight", (3, 3)), "'model.layers.0.extra.weight'"),

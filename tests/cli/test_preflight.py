@@ -55,8 +55,8 @@ def train(*args: str) -> tuple[int, str, float]:
     return result.exit_code, result.output, time.monotonic() - began
 
 
-def assert_refused_before_start(code: int, output: str, seconds: float, flag: str, text: str) -> None:
-    assert code == 2, output
+def assert_refused_before_start(code: int, output: str, seconds: float, flag: str, text: str, exit_code=2) -> None:
+    assert code == exit_code, output
     assert output.startswith(f"error: {flag}: ") and text in output, output
     assert len(output.strip().splitlines()) == 1
     assert "starting" not in output and "Traceback" not in output
@@ -168,15 +168,17 @@ def test_save_steps(start, steps, every, expected):
 
 
 def test_model_config_that_is_no_causal_lm(tmp_path):
-    """A --model-config that is not JSON, names no model_type, or names an architecture without decoder layers is
-    refused before any rank starts, naming --model-config."""
+    """A --model-config that is not JSON or is missing is an invalid setting (exit 1, as validate-config says); one
+    that names an architecture without decoder layers is refused by the pre-launch build (exit 2); both before
+    any rank starts, naming --model-config."""
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     encoder = tmp_path / "bert.json"
     encoder.write_text('{"model_type": "bert", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 2}')
-    for path, text in ((broken, "cannot be read"), (tmp_path / "none.json", "cannot be read"), (encoder, "decoder")):
+    cases = ((broken, "cannot be read", 1), (tmp_path / "none.json", "is missing", 1), (encoder, "decoder", 2))
+    for path, text, exit_code in cases:
         code, output, seconds = train_hf(str(path))
-        assert_refused_before_start(code, output, seconds + 0, "--model-config", text)
+        assert_refused_before_start(code, output, seconds + 0, "--model-config", text, exit_code)
 
 
 def test_model_config_shorter_than_the_sequence(tmp_path):
@@ -187,7 +189,7 @@ def test_model_config_shorter_than_the_sequence(tmp_path):
         '"num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 8}'
     )
     code, output, seconds = train_hf(str(config))
-    assert_refused_before_start(code, output, seconds, "--seq-len", "max_position_embeddings")
+    assert_refused_before_start(code, output, seconds, "--seq-len", "max_position_embeddings", exit_code=1)
 
 
 def train_hf(config: str) -> tuple[int, str, float]:

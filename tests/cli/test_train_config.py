@@ -14,6 +14,9 @@ from hfsdp.cli.settings import SETTINGS
 from hfsdp.cli.train_config import build_file_config, build_train_config
 from hfsdp.core.config import MEGATRON_NAMES, ConfigError
 
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "max_position_embeddings": 32}  # fmt: skip
+
 
 def _build(flags=None, world=None, torchrun_world=None):
     flags = dict(flags or {})
@@ -205,12 +208,13 @@ def test_non_finite_numbers_are_refused(flag, value):
     assert _fields(err.value) == {"--" + flag.replace("_", "-")}
 
 
-def test_model_config_excludes_the_gpts_model_flags():
+def test_model_config_excludes_the_gpts_model_flags(tmp_path):
     """--model-config builds the model its config.json describes: a GPT shape flag beside it is refused under
     --model-config, naming the flag; the defaults of those flags do not count."""
-    assert _build({"model_config": "llama/config.json"}).model_config == "llama/config.json"
+    config = str(_write(tmp_path, "config.json", LLAMA))
+    assert _build({"model_config": config}).model_config == config
     with pytest.raises(ConfigError) as err:
-        _build({"model_config": "llama/config.json", "layers": 4})
+        _build({"model_config": config, "layers": 4})
     assert _fields(err.value) == {"--model-config"} and "--layers 4" in err.value.problems[0].message
 
 

@@ -200,25 +200,22 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
 
 
 def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
-    """--model-config: a config.json transformers builds into a causal LM with decoder layers, long enough for
-    --seq-len, without experts hfsdp would not find."""
+    """--model-config: a config transformers builds (on `meta`) into a causal LM with decoder layers, long enough for
+    --seq-len with the architecture's defaults filled in. The file's own contents passed the rules already."""
+    from hfsdp.cli.rules import seq_len_beyond_positions
     from hfsdp.models import hf
 
+    flag = cfg.given["model_config"].spelled if "model_config" in cfg.given else "--model-config"
     try:
         config = hf.load_config(cfg.model_config)
         hf.build_causal_lm(config, device="meta")
     except hf.HFModelError as err:
-        problems.append(Problem("--model-config", f"--model-config {cfg.model_config}: {err}"))
+        problems.append(Problem(flag, str(err)))
         return
     longest = getattr(config, "max_position_embeddings", None)
     if isinstance(longest, int) and cfg.seq_len > longest:
-        problems.append(
-            Problem(
-                "--seq-len",
-                f"--seq-len {cfg.seq_len} is longer than the {longest} positions {cfg.model_config} allows "
-                "(max_position_embeddings); train on shorter sequences.",
-            )
-        )
+        seq_len = cfg.given["seq_len"].said() if "seq_len" in cfg.given else f"--seq-len {cfg.seq_len}"
+        problems.append(Problem("--seq-len", seq_len_beyond_positions(seq_len, longest, cfg.model_config)))
 
 
 def _as_flag(value: Any) -> str:
