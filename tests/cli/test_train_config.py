@@ -277,3 +277,66 @@ def test_a_resume_continues_the_checkpoints_schedule_unless_told_otherwise():
         "--lr 0.0005 instead of the checkpoint's 0.001",
         "--lr-decay-iters 30 instead of the checkpoint's 10",
     ]
+
+
+# What megatron-core, transformers and the data refuse, and the bounds on sizes ---------------------------------
+
+REFUSED = {
+    "top-1 routing": ({"num_moe_experts": 2, "moe_topk": 1}, "--moe-topk", "refuses top-1 routing"),
+    "an odd rotary head dim": ({"hidden": 12, "heads": 4}, "--hidden", "4 heads of 3 channels, an odd number"),
+    "a one-token vocabulary": ({"vocab": 1}, "--vocab", "--vocab 1 must be at least 2"),
+    "a vocabulary of 1e9": ({"vocab": 10**9}, "--vocab", "is above 4,194,304, the largest vocabulary size"),
+    "a million layers": ({"layers": 10**6}, "--layers", "--layers 1000000 is above 1,024"),
+    "2,000 experts": ({"num_moe_experts": 2000}, "--moe-experts", "--moe-experts 2000 is above 1,024"),
+    "a global batch of 2^40": ({"global_batch_size": 2**40}, "--global-batch-size", "global batches of"),
+    "sequences of 1e8": ({"seq_len": 10**8}, "--seq-len", "--seq-len 100000000 is above 1,048,576"),
+    "microbatches of 2^25 tokens": (
+        {"seq_len": 8, "micro_batch_size": 2**22, "global_batch_size": 2**24},
+        "--micro-batch-size",
+        "microbatches of 33,554,432 tokens",
+    ),
+    "unfused attention of 2^34 scores": ({"seq_len": 2**16, "micro_batch_size": 1}, "--seq-len", "attention scores"),
+    "a model of 5e11 parameters": ({"hidden": 65536, "vocab": 4_000_000}, "--hidden", "parameters, 2.5 TB in fp32"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_would_fail_inside_a_rank_is_refused_by_the_rules(case):
+    """Each of these used to be valid and then failed in every rank (megatron-core's refusal, a shape mismatch, the
+    allocator) or made no progress; now it is one problem under its flag, saying why and, for sizes, what the run
+    would need."""
+    flags, flag, words = REFUSED[case]
+    with pytest.raises(ConfigError) as err:
+        _build(flags)
+    assert _fields(err.value) == {flag}, err.value.problems
+    assert words in err.value.problems[0].message
+
+
+def test_sizes_at_the_bounds_are_valid():
+    """The bounds themselves are allowed: a 2-token vocabulary, top-2 of 2 experts, head dimension 2, sequences of
+    the bound's length with a micro batch of one."""
+    assert _build({"vocab": 2, "num_moe_experts": 2, "moe_topk": 2, "hidden": 8, "heads": 4}).vocab == 2
+    assert _build({"seq_len": 2**14, "micro_batch_size": 1, "heads": 1, "hidden": 2, "global_batch_size": 4}).seq_len
+
+
+def test_docs_list_the_bounds_the_code_applies():
+    """docs/cli.md's table of bounds is the code's (hfsdp.models.sizes), row for row."""
+    from pathlib import Path
+
+    from hfsdp.models import sizes
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    rows = [line.split("|")[1:-1] for line in docs.splitlines() if line.startswith("| ") and line.count("|") == 6]
+    table = {cells[0].strip(): (cells[3].strip(), cells[4].strip()) for cells in rows[1:]}
+    expected = {what: (str(least), f"{most:,}") for least, most, what in sizes.LIMITS.values()}
+    names = {"vocabulary size": "vocabulary", "MLP (intermediate) size": "MLP size", "number of layers": "layers",
+             "number of attention heads": "attention heads", "number of key/value heads": "key/value heads",
+             "number of experts": "experts"}  # fmt: skip
+    assert {names.get(k, k): v for k, v in expected.items()} == table
+    for bound in (
+        sizes.MAX_PARAMETERS,
+        sizes.MAX_BATCH_TOKENS,
+        sizes.MAX_MICROBATCH_TOKENS,
+        sizes.MAX_ATTENTION_SCORES,
+    ):
+        assert f"{bound:,}" in docs
