@@ -103,7 +103,28 @@ def test_save_whose_next_step_exists(tmp_path):
     """--save into a root that already holds a step this run would write is refused: a save never overwrites."""
     fake_checkpoint(tmp_path / "ck", 10)
     code, output, seconds = train("--save", str(tmp_path / "ck"), "--steps", "20", "--save-every", "5")
-    assert_refused_before_start(code, output, seconds, "--save", "already holds step-10, which this run would save")
+    assert_refused_before_start(code, output, seconds, "--save", "already holds step-10, which `latest` has published")
+
+
+def test_save_over_an_orphan_step_follows_the_documented_rule(tmp_path):
+    """A crash after step-20 was renamed into place but before `latest` moved leaves an orphan step-20 above
+    `latest` (step-10). docs/checkpoints.md: resume loads `latest` and saving step 20 again replaces the orphan;
+    so `--load ROOT --save ROOT` passes the pre-launch checks, as does a fresh run into a root without `latest`.
+    A published step stays refused."""
+    from hfsdp.cli.preflight import preflight
+    from hfsdp.cli.train_config import build_train_config
+
+    root = tmp_path / "ck"
+    fake_checkpoint(root, 20)
+    fake_checkpoint(root, 10)  # `latest` back at step-10: step-20 is the orphan
+    flags = dict(layers=1, hidden=32, vocab=64, seq_len=16, device="cpu", nproc=2, steps=20, save_every=10)
+    plan = preflight(build_train_config({**flags, "load": str(root), "save": str(root)}))
+    assert plan.start_step == 10 and plan.checkpoint == root / "step-10"
+    (root / "latest").unlink()  # no `latest`: every step is unpublished, and a fresh run's save replaces it
+    assert preflight(build_train_config({**flags, "save": str(root)})).start_step == 0
+    (root / "latest").write_text("step-20\n")  # now published: refused
+    code, output, seconds = train("--save", str(root), "--steps", "20", "--save-every", "10")
+    assert_refused_before_start(code, output, seconds, "--save", "already holds step-10, which `latest` has published")
 
 
 def test_save_under_a_file(tmp_path):

@@ -237,7 +237,15 @@ def _shapes_from_index(index) -> dict[str, int]:
 
 
 def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
-    """--save: a directory (or one that can be created) that we can write, without the steps this run saves."""
+    """--save: a directory (or one that can be created) that we can write, where no step this run saves is published.
+
+    A step above the one `latest` names (or any step, without `latest`) is the orphan of a save that crashed
+    between its rename and moving `latest`: the save of that step replaces it (docs/checkpoints.md), so it is no
+    obstacle; a published step is, since a save never overwrites one.
+    """
+    from hfsdp.ckpt import CheckpointError
+    from hfsdp.ckpt.format.store import is_unpublished
+
     root = Path(cfg.save)
     if root.exists() and not root.is_dir():
         problems.append(Problem("--save", f"--save {root} is a file, not a directory; give a checkpoint directory."))
@@ -246,12 +254,20 @@ def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
         return
     for step in save_steps(start, cfg.steps, cfg.save_every):
         taken = root / f"step-{step}"
-        if taken.exists():
+        if not taken.exists():
+            continue
+        try:
+            orphan = is_unpublished(root, step)
+        except CheckpointError as err:  # a damaged `latest`
+            problems.append(Problem("--save", f"--save {root}: {err}"))
+            return
+        if not orphan:
             problems.append(
                 Problem(
                     "--save",
-                    f"--save {root} already holds step-{step}, which this run would save; a save never overwrites. "
-                    f"Choose another --save, remove {taken}, or resume from it with --load {root}.",
+                    f"--save {root} already holds step-{step}, which `latest` has published and this run would save "
+                    f"again; a save never overwrites a published step. Choose another --save, remove {taken}, or "
+                    f"resume from it with --load {root}.",
                 )
             )
             return
