@@ -243,7 +243,14 @@ def import_(
 def export(
     src: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
     out: Annotated[Path, typer.Argument(help="New directory for the safetensors files (must not exist).")],
-    dtype: Annotated[ExportDtype, typer.Option(help="dtype of the exported weights.")] = ExportDtype.bf16,
+    dtype: Annotated[
+        ExportDtype | None,
+        typer.Option(
+            help="dtype of the exported weights: by default the model's own (its Hugging Face config's dtype, else "
+            "the training --dtype), as save_pretrained keeps it.",
+            show_default="the model's own",
+        ),
+    ] = None,
     output_format: Annotated[
         ExportFormat,
         typer.Option(
@@ -266,7 +273,7 @@ def export(
             lambda: do_export(
                 src,
                 out,
-                dtype.value,
+                dtype.value if dtype is not None else None,
                 format=output_format.value,
                 max_shard_bytes=max_shard_size * MIB,
                 io_threads=io_threads,
@@ -276,7 +283,7 @@ def export(
     what = "a Hugging Face model directory" if result.format == "hf" else "the consolidated state dict"
     _say(
         _console(),
-        f"Exported {result.tensors} tensors ({dtype.value}) as {what} (--format {result.format}) to {out}: "
+        f"Exported {result.tensors} tensors ({result.dtype}) as {what} (--format {result.format}) to {out}: "
         f"{result.files} file(s), {result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s."
         + (
             f" (Not --format hf: the {result.note}, which no transformers architecture matches.)" if result.note else ""
