@@ -55,6 +55,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _importing_torch(pid: int) -> bool:
+    """Whether process `pid` has started to load torch's libraries (it is importing torch, or past it)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
     deadline = time.monotonic() + seconds
     while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
@@ -267,6 +275,30 @@ def test_ctrl_c_stops_with_one_line_and_exit_130(tmp_path):
     traceback, every rank gone, the latest checkpoint intact."""
     proc, out, err, ranks = _interrupt(tmp_path, lambda pid: os.killpg(pid, signal.SIGINT))
     _assert_stopped_cleanly(tmp_path, proc, out, err, ranks, 130, "SIGINT")
+
+
+def test_ctrl_c_while_the_ranks_still_import_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C a moment after the ranks are spawned, while they still import torch and transformers: exit 130 and
+    the one line, no KeyboardInterrupt traceback from any rank, every rank gone."""
+    proc = subprocess.Popen(
+        [HFSDP, "train", "--nproc", "2", "--steps", "100000", *_tiny_hf_model(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    while len(ranks) < 2 and proc.poll() is None:
+        ranks = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        time.sleep(0.05)
+    while proc.poll() is None and not all(_importing_torch(p) for p in ranks):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # the ranks are inside their imports (seconds of them): torch is loading
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines() == ["interrupted before the first step (SIGINT); no checkpoint saved (no --save)"]
+    assert not _wait_gone(ranks)
 
 
 def test_a_killed_rank_is_reported_as_killed(tmp_path):
