@@ -460,11 +460,12 @@ def test_import_refuses_an_existing_destination_and_one_inside_the_source(hf_dir
     src = tmp_path / "src"
     shutil.copytree(hf_dirs["llama untied"], src)
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
     for dst, words in [(tmp_path / "taken", "already exists"), (src / "ckpt", "lies inside the source")]:
         result = runner.invoke(app, ["import", str(src), str(dst), "--world-size", "2"])
         assert result.exit_code == 2
         _one_paragraph(result.output, "hfsdp ckpt import: ", words)
-    assert not (src / "ckpt").exists() and not list((tmp_path / "taken").iterdir())
+    assert not (src / "ckpt").exists() and [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
     assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in hf_dirs["llama untied"].iterdir())
 
 

@@ -13,10 +13,12 @@ from typing import Annotated
 
 import typer
 
+from hfsdp.cli import help_format
 from hfsdp.cli.ckpt import app as ckpt_app
 from hfsdp.cli.train import train
 from hfsdp.cli.validate import validate_config
 
+help_format.install()
 app = typer.Typer(
     name="hfsdp",
     help="Hybrid-sharded data parallelism for PyTorch and megatron-core.",

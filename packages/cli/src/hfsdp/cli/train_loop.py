@@ -281,7 +281,8 @@ def _print_summary(cfg: TrainConfig, summary: dict, device: torch.device) -> Non
     kind = "allocated" if device.type == "cuda" else "RSS"
     peaks = ", ".join(f"{p:,.0f}" for p in summary["peak_memory_mb_per_rank"])
     say(
-        f"done: {summary['layout']}, {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"done: {summary['layout']}, {summary['steps']} step{'s' if summary['steps'] != 1 else ''}, final loss "
+        f"{summary['final_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s (median step), peak {kind} MiB per rank: [{peaks}]"
     )
     if cfg.save:
