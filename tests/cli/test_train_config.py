@@ -340,3 +340,54 @@ def test_docs_list_the_bounds_the_code_applies():
         sizes.MAX_ATTENTION_SCORES,
     ):
         assert f"{bound:,}" in docs
+
+
+# How problems read --------------------------------------------------------------------------------------
+
+
+def test_messages_name_the_flag_once_and_leak_no_python_types():
+    """`hfsdp train --outer optm --dtype fp16 --nproc 0 --lr-decay-style cosin`: each line names its flag once, quotes
+    values as written (no "(text)", no "(int)"), and suggests the choice meant; the text '8' is called text."""
+    from typer.testing import CliRunner
+
+    from hfsdp.cli.main import app
+
+    result = CliRunner().invoke(app, ["train", "--outer", "optm", "--dtype", "fp16", "--nproc", "0",
+                                      "--lr-decay-style", "cosin", "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()[1:]
+    assert sorted(lines) == sorted([
+        "  - --outer is 'optm', which is not allowed: 'optm' is not a sharding strategy. Did you mean 'optim'? Use one "
+        "of no_shard, optim, optim_grads, optim_grads_params.",
+        "  - --dtype must be one of fp32, bf16; got 'fp16'.",
+        "  - --nproc must be a positive integer, got 0; write a whole number such as 1, 2 or 8.",
+        "  - --lr-decay-style must be one of constant, linear, cosine (did you mean cosine?); got 'cosin'.",
+    ])  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        _build({"steps": "8"})
+    assert err.value.problems[0].message.endswith("got the text '8'.")
+
+
+def test_zero_names_are_accepted_for_the_megatron_strategies():
+    """zero1/zero2/zero3/ddp (any case, with - or _), the names the README and DeepSpeed use, mean optim,
+    optim_grads, optim_grads_params and no_shard."""
+    cfg = _build({"inner": "zero3", "outer": "ZeRO-1", "instances": 2})
+    assert cfg.layout.layout_name == "HFSDP 2x2 (optim over optim_grads_params)"
+    assert _build({"inner": "zero_2", "outer": "DDP", "instances": 2}).layout.inner == "optim_grads"
+
+
+def test_the_summary_says_1_step():
+    """One step is "1 step", not "1 steps"."""
+    import io
+    from contextlib import redirect_stdout
+
+    import torch
+
+    from hfsdp.cli.train_loop import _print_summary
+
+    summary = {"layout": "ZeRO-3 1x4", "steps": 1, "final_loss": 1.0, "tokens_per_s": 10.0,
+               "peak_memory_mb_per_rank": [1.0]}  # fmt: skip
+    out = io.StringIO()
+    with redirect_stdout(out):
+        _print_summary(_build({"steps": 1}), summary, torch.device("cpu"))
+    assert "ZeRO-3 1x4, 1 step, final loss" in out.getvalue()

@@ -72,7 +72,7 @@ def one_of(*choices: str) -> Check:
     def check(value: object) -> str | None:
         if value in choices:
             return None
-        guess = difflib.get_close_matches(value, choices, n=1, cutoff=0.6) if isinstance(value, str) else []
+        guess = difflib.get_close_matches(value, choices, n=1, cutoff=0.8) if isinstance(value, str) else []
         return f"must be one of {', '.join(choices)}" + (f" (did you mean {guess[0]}?)" if guess else "")
 
     return check
