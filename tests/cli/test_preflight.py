@@ -145,6 +145,20 @@ def test_metrics_in_a_missing_directory(tmp_path):
     assert_refused_before_start(code, output, seconds, "--metrics", "does not exist")
 
 
+def test_tensorboard_dir_without_tensorboard_or_on_a_file(tmp_path, monkeypatch):
+    """--tensorboard-dir without the tensorboard package is refused before launch, saying how to install it (never
+    accepted and then ignored); one naming a file is refused too."""
+    from hfsdp.cli import tensorboard_log
+
+    (tmp_path / "f").write_text("")
+    code, output, seconds = train("--tensorboard-dir", str(tmp_path / "f"))
+    assert_refused_before_start(code, output, seconds, "--tensorboard-dir", "is a file")
+    monkeypatch.setattr(tensorboard_log, "available", lambda: False)
+    code, output, seconds = train("--tensorboard-dir", str(tmp_path / "tb"))
+    assert_refused_before_start(code, output, seconds, "--tensorboard-dir", "pip install tensorboard")
+    assert not (tmp_path / "tb").exists()
+
+
 def test_metrics_that_is_a_directory(tmp_path):
     """--metrics naming a directory is refused."""
     assert_refused_before_start(*train("--metrics", str(tmp_path)), "--metrics", "is a directory")

@@ -341,7 +341,8 @@ LLAMA = {
 def test_train_a_hugging_face_model_with_a_schedule_evaluation_and_recompute(tmp_path):
     """`hfsdp train --model-config config.json` trains the transformers Llama it describes (HFSDP 2x1, recompute)
     with Megatron's warmup + cosine schedule: every step's lr is the schedule's, held-out loss is reported every
-    --eval-interval steps and at the end, the loss falls, and a checkpoint is saved."""
+    --eval-interval steps and at the end, the loss falls, and a checkpoint is saved; --tensorboard-dir holds the
+    same figures as --metrics, step by step, read back with TensorBoard's own event reader."""
     from hfsdp.recipes.lr_schedule import Schedule
 
     config = tmp_path / "config.json"
@@ -350,15 +351,33 @@ def test_train_a_hugging_face_model_with_a_schedule_evaluation_and_recompute(tmp
     args = ["--model-config", str(config), "--nproc", "2", "--instances", "2", "--outer", "optim", "--steps", "7"]
     args += ["--lr", "1e-2", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-3"]
     args += ["--eval-interval", "3", "--recompute", "--seq-len", "16", "--device", "cpu"]
-    result = _run(*args, "--metrics", str(metrics), "--save", str(tmp_path / "ckpt"))
+    board = tmp_path / "tb"
+    result = _run(*args, "--metrics", str(metrics), "--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(board))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HFSDP 2x1" in result.stdout and result.stderr == ""
     records = _records(metrics)
+    _assert_tensorboard_holds(board, records)
     schedule = Schedule(1e-2, 1e-3, warmup_iters=2, decay_iters=7, style="cosine")
     assert [r["lr"] for r in records] == pytest.approx([schedule.lr_at(n) for n in range(1, 8)], rel=1e-9)
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 7]
     assert records[-1]["eval_loss"] < records[2]["eval_loss"] and records[-1]["loss"] < records[0]["loss"]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-7"
+
+
+def _assert_tensorboard_holds(board: Path, records: list[dict]) -> None:
+    """The TensorBoard event files under `board` hold every figure of every record, at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hfsdp.cli.tensorboard_log import TAGS
+
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(TAGS.values())
+    for key, tag in TAGS.items():
+        written = {e.step: e.value for e in events.Scalars(tag)}
+        expected = {r["step"]: r[key] for r in records if key in r}
+        assert written.keys() == expected.keys(), tag
+        assert [written[s] for s in expected] == pytest.approx(list(expected.values()), rel=1e-6), tag
 
 
 def test_hugging_face_in_train_and_out(tmp_path):

@@ -1,11 +1,11 @@
 """What `hfsdp train` checks on this machine before any rank starts: paths, the checkpoint, the device.
 
 The config rules (`train_config.resolve`) judge values; these checks judge the world the
-run will meet: that `--load` is a sound checkpoint of this model, that `--save` and
-`--metrics` can be written and that no save would collide with an existing step, that the
-dataset and the device exist. Each takes seconds at most, so a mistake costs a message
-instead of a minute of spawning ranks and two torch tracebacks. Every problem is reported
-at once, under the flag that caused it.
+run will meet: that `--load` is a sound checkpoint of this model, that `--save`, `--metrics`
+and `--tensorboard-dir` can be written (and the last has its package), that no save would
+collide with a published step, that the dataset and the device exist. Each takes seconds at
+most, so a mistake costs a message instead of a minute of spawning ranks and two torch
+tracebacks. Every problem is reported at once, under the flag that caused it.
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
         plan = _checkpoint(cfg, verify_checkpoint, problems)
     if cfg.metrics is not None:
         _writable_file(Path(cfg.metrics), "--metrics", problems)
+    if cfg.tensorboard_dir is not None:
+        _tensorboard_dir(Path(cfg.tensorboard_dir), problems)
     if cfg.save is not None and plan.nothing_to_do(cfg) is None:
         _save_root(cfg, plan.start_step, problems)
     if problems:
@@ -271,6 +273,27 @@ def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
                 )
             )
             return
+
+
+def _tensorboard_dir(directory: Path, problems: list[Problem]) -> None:
+    """--tensorboard-dir: the tensorboard package is there to write with, and the directory can be written."""
+    from hfsdp.cli import tensorboard_log
+
+    if not tensorboard_log.available():
+        problems.append(
+            Problem(
+                "--tensorboard-dir",
+                f"--tensorboard-dir needs the tensorboard package, which is not installed; {tensorboard_log.INSTALL} "
+                "(or drop the flag: --metrics writes the same figures as JSON lines).",
+            )
+        )
+        return
+    if directory.exists() and not directory.is_dir():
+        problems.append(
+            Problem("--tensorboard-dir", f"--tensorboard-dir {directory} is a file; give a directory for the logs.")
+        )
+        return
+    _writable_dir(directory, "--tensorboard-dir", problems)
 
 
 def _writable_file(path: Path, flag: str, problems: list[Problem]) -> None:

@@ -364,6 +364,16 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     # Output and checkpoints.
     _output("metrics", "--metrics", None, str, "Write one JSON object per step to this file.", path, "none"),
+    _output(
+        "tensorboard_dir",
+        "--tensorboard-dir",
+        None,
+        str,
+        "Write TensorBoard curves to this directory: loss, eval loss, learning rate, grad norm, tokens/s and memory "
+        "per step (needs the tensorboard package).",
+        path,
+        "none",
+    ),
     Setting(
         "log_every",
         "--log-every",
