@@ -147,9 +147,13 @@ def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
 
 def test_save_reshard_and_resume_through_the_cli(tmp_path):
     """Train 4 steps of HFSDP on 2 ranks saving every 2, `hfsdp ckpt reshard` step 2 to 1 rank, --load it and train
-    to step 4: steps 3-4 give the losses of the uninterrupted run; the resume says where from and which layouts;
-    a resume with nothing left to do says so without starting ranks; an explicit --lr wins over the checkpoint's."""
-    model = ["--global-batch-size", "8", "--micro-batch-size", "2", *SMALL]
+    to step 4: steps 3-4 give the losses and the learning rates of the uninterrupted run (a warmup + cosine schedule
+    continued at the checkpoint's step, not restarted at step 0); the resume says where from and which layouts; a
+    resume with nothing left to do says so without starting ranks; an explicit --lr wins over the checkpoint's."""
+    from hfsdp.recipes.lr_schedule import Schedule
+
+    schedule = ["--lr-warmup-iters", "3", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
+    model = ["--global-batch-size", "8", "--micro-batch-size", "2", *schedule, *SMALL]
     hfsdp = ["--nproc", "2", "--instances", "2", "--outer", "optim", *model]
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
     # One run is both the uninterrupted one (its metrics) and the one that saved step 2 (and step 4).
@@ -178,11 +182,14 @@ def test_save_reshard_and_resume_through_the_cli(tmp_path):
     expected = _records(whole)[2:]
     got = _records(resumed)
     assert [r["step"] for r in got] == [3, 4]
+    lr_at = Schedule(3e-3, 1e-4, warmup_iters=3, decay_iters=4, style="cosine").lr_at
+    assert [r["lr"] for r in got] == pytest.approx([lr_at(3), lr_at(4)], rel=1e-9)  # restarted: lr_at(1), lr_at(2)
     for a, b in zip(got, expected, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["lr"] == pytest.approx(b["lr"], rel=1e-12)
 
     override = tmp_path / "override.jsonl"
-    third = _run(*args[:-1], "3", "--load", str(tmp_path / "ck1"), "--lr", "1e-4", "--metrics", str(override))
+    end = ["--lr-decay-iters", "4"]  # --steps 3 would end the decay inside the warmup
+    third = _run(*args[:-1], "3", *end, "--load", str(tmp_path / "ck1"), "--lr", "1e-4", "--metrics", str(override))
     assert third.returncode == 0, third.stderr[-2000:]
     assert "--lr 0.0001 instead of the checkpoint's 0.003" in third.stdout
     assert [r["lr"] for r in _records(override)] == [pytest.approx(1e-4)]
