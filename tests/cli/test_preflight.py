@@ -230,3 +230,14 @@ def train_hf(config: str) -> tuple[int, str, float]:
     result = runner.invoke(app, args)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     return result.exit_code, result.output, time.monotonic() - began - 3  # transformers' import: ~3 s of it
+
+
+def test_a_model_config_without_a_causal_lm_is_one_short_line(tmp_path):
+    """An encoder-decoder --model-config (t5) is refused in one line of a few hundred characters, not transformers'
+    4 KB list of every causal LM class it knows."""
+    config = tmp_path / "t5.json"
+    config.write_text('{"model_type": "t5", "vocab_size": 64, "d_model": 32, "num_heads": 4, "num_layers": 1}')
+    code, output, _ = train_hf(str(config))
+    assert code == 2 and len(output.strip().splitlines()) == 1 and "Traceback" not in output, output
+    assert output.startswith("error: --model-config: transformers has no causal language model for model_type 't5'")
+    assert len(output) < 400, output
