@@ -106,11 +106,16 @@ def _guarded(command: str, fn, as_json: bool = False):
         raise _fail(command, message, as_json) from None
 
 
-def _destination_free(command: str, dst: Path) -> None:
-    """Refuse a destination that is taken before torch is imported (seconds), with the message the writer gives."""
-    from hfsdp.ckpt.format.staging import ensure_absent  # torch-free
+def _destination_free(command: str, src: Path, dst: Path) -> None:
+    """Refuse a destination that is taken, or is (around) the source, before torch is imported (seconds), with the
+    messages and in the order the writer has them."""
+    from hfsdp.ckpt.format.staging import check_apart, ensure_absent  # torch-free
 
-    _guarded(command, lambda: ensure_absent(dst, command))
+    def check() -> None:
+        check_apart([src], dst, command)
+        ensure_absent(dst, command)
+
+    _guarded(command, check)
 
 
 def _progress(label: str):
@@ -164,7 +169,7 @@ def reshard(
     from hfsdp.ckpt import read_index, resolve
     from hfsdp.core.config import ConfigError, LayoutConfig
 
-    _destination_free("reshard", dst)
+    _destination_free("reshard", src, dst)
     index = _guarded("reshard", lambda: read_index(resolve(src)))
     given = {"instances": instances, "outer": outer, "inner": inner, "ep": ep, "expert_strategy": expert_strategy}
     fields = {**index.layout, "world_size": world_size, **{k: v for k, v in given.items() if v is not None}}
@@ -231,7 +236,7 @@ def import_(
     """Turn a Hugging Face causal LM directory into an hfsdp checkpoint of any layout (step 0, no optimizer)."""
     from hfsdp.core.config import ConfigError, LayoutConfig
 
-    _destination_free("import", dst)
+    _destination_free("import", src, dst)
 
     given = {"instances": instances, "outer": outer, "inner": inner}
     try:
@@ -288,7 +293,7 @@ def export(
     io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
 ) -> None:
     """Write the consolidated model weights as standard, size-split safetensors files plus their index."""
-    _destination_free("export", out)
+    _destination_free("export", src, out)
     from hfsdp.ckpt import export as do_export
 
     bar, update = _progress("export")
