@@ -18,7 +18,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from hfsdp.ckpt import CheckpointError, export, import_hf, inspect, read_index, reshard, verify, write_from_tensors
+from hfsdp.ckpt import (
+    CheckpointError,
+    GroupSpec,
+    export,
+    import_hf,
+    inspect,
+    read_index,
+    reshard,
+    verify,
+    write_from_tensors,
+)
 from hfsdp.ckpt.format.index import MAIN, MODEL
 from hfsdp.ckpt.hf.directory import read_hf_dir
 from hfsdp.ckpt.hf.source import HFSource
@@ -137,19 +147,38 @@ def test_hf_source_reads_any_flat_range_in_small_chunks(hf_dirs):
 
 
 def test_export_dtypes_and_config(hf_dirs, tmp_path):
-    """bf16 by default, fp16 on request; config.json names the architecture and the dtype from_pretrained gets."""
+    """By default the model's own dtype (fp32 here, so the round trip is exact), bf16 or fp16 on request; config.json
+    names the architecture and the dtype from_pretrained gets."""
     from transformers import AutoModelForCausalLM
 
     import_hf(hf_dirs["llama untied"], tmp_path / "ckpt", LayoutConfig(world_size=2))
-    for dtype, expected in [("bf16", torch.bfloat16), ("fp16", torch.float16)]:
-        out = tmp_path / dtype
-        export(tmp_path / "ckpt", out, dtype)
+    for dtype, expected in [(None, torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]:
+        out = tmp_path / str(dtype)
+        assert export(tmp_path / "ckpt", out, dtype).dtype == {torch.float32: "fp32"}.get(expected, dtype)
         config = json.loads((out / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"]
         assert config["dtype"] == config["torch_dtype"] == str(expected).removeprefix("torch.")
         assert {t.dtype for t in hf_tensors(out).values()} == {expected}
         model = AutoModelForCausalLM.from_pretrained(out)
         assert next(model.parameters()).dtype == expected
+    original = hf_tensors(hf_dirs["llama untied"])
+    assert all(torch.equal(t, original[name]) for name, t in hf_tensors(tmp_path / "None").items())
+
+
+def test_export_defaults_to_the_models_own_dtype(hf_dirs, tmp_path):
+    """A bf16 Hugging Face model exports as bf16 and is not touched by --compute-dtype; a checkpoint without a
+    transformers config exports in the compute dtype it trained in (its groups' dtype); the CLI says which."""
+    import_hf(hf_dirs["llama bf16 sharded"], tmp_path / "bf16", LayoutConfig(world_size=2))
+    assert export(tmp_path / "bf16", tmp_path / "bf16-out").dtype == "bf16"
+    assert {t.dtype for t in hf_tensors(tmp_path / "bf16-out").values()} == {torch.bfloat16}
+    import_hf(hf_dirs["llama untied"], tmp_path / "fp32", LayoutConfig(world_size=2), compute_dtype="bfloat16")
+    result = runner.invoke(app, ["export", str(tmp_path / "fp32"), str(tmp_path / "fp32-out")])
+    assert result.exit_code == 0 and "tensors (fp32) as a Hugging Face model directory" in result.output
+    shapes = (("embedding.word_embeddings.weight", (8, 4)),)
+    group = GroupSpec(0, False, "bfloat16", None, shapes)
+    tensors = {kind: {"embedding.word_embeddings.weight": torch.ones(8, 4)} for kind in ("model", "main")}
+    write_from_tensors(tmp_path / "gpt", LayoutConfig(world_size=1), [group], tensors, step=3)
+    assert export(tmp_path / "gpt", tmp_path / "gpt-out").dtype == "bf16"
 
 
 def test_export_megatron_format_keeps_the_consolidated_state_dict(hf_dirs, tmp_path):
@@ -312,7 +341,11 @@ IMPORT_ERRORS = {
         lambda p: (p / "config.json").write_text('{"model_type": "no-such-model"}'),
         "no-such-model",
     ),
-    "a config declaring a billion layers": ("llama untied", _set_config(num_hidden_layers=10**9), "1000000000 decoder"),
+    "a config declaring a billion layers": (
+        "llama untied",
+        _set_config(num_hidden_layers=10**9),
+        "num_hidden_layers 1000000000 is above 1,024",
+    ),
     "no weights": ("llama untied", lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
     "a weight missing": ("llama untied", _drop("model.layers.1.mlp.up_proj.weight"), "'model.layers.1.mlp.up_proj"),
     "an extra weight": ("llama untied", _add("model.layers.0.extra.weight", (3, 3)), "'model.layers.0.extra.weight'"),
@@ -427,11 +460,12 @@ def test_import_refuses_an_existing_destination_and_one_inside_the_source(hf_dir
     src = tmp_path / "src"
     shutil.copytree(hf_dirs["llama untied"], src)
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
     for dst, words in [(tmp_path / "taken", "already exists"), (src / "ckpt", "lies inside the source")]:
         result = runner.invoke(app, ["import", str(src), str(dst), "--world-size", "2"])
         assert result.exit_code == 2
         _one_paragraph(result.output, "hfsdp ckpt import: ", words)
-    assert not (src / "ckpt").exists() and not list((tmp_path / "taken").iterdir())
+    assert not (src / "ckpt").exists() and [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
     assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in hf_dirs["llama untied"].iterdir())
 
 

@@ -108,3 +108,33 @@ def test_the_ckpt_commands_answer_under_the_hfsdp_command(src):
     assert all(command in listing.output for command in ("reshard", "export", "import", "inspect", "verify"))
     result = runner.invoke(hfsdp, ["ckpt", "verify", str(src)])
     assert result.exit_code == 0 and "intact" in result.output
+
+
+def test_an_empty_destination_directory_is_accepted_and_a_taken_one_refused_before_torch(src, tmp_path):
+    """`mkdir out; hfsdp ckpt export ck out` works (an empty directory holds nothing to overwrite). A
+    destination with something in it is refused before torch is imported (it took 3-6 s), and left alone; with
+    stderr not a terminal the commands print no progress bar and no stray empty line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hfsdp = str(Path(sys.executable).parent / "hfsdp")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run([hfsdp, "ckpt", "export", str(src), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert (out / "model.safetensors.index.json").is_file()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
+    probe = (
+        "import sys; from typer.testing import CliRunner; from hfsdp.cli.main import app; "
+        "r = CliRunner().invoke(app, ['ckpt', *sys.argv[1:]]); print(r.exit_code, 'torch' in sys.modules); "
+        "print(r.output)"
+    )
+    for command, extra in (("export", []), ("reshard", ["--world-size", "2"]), ("import", ["--world-size", "2"])):
+        args = [command, str(src), str(tmp_path / "taken"), *extra]
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True)
+        first, message = done.stdout.split("\n", 1)
+        assert first == "2 False", done.stdout + done.stderr
+        assert "already exists" in message and "an empty directory is fine" in message
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]

@@ -60,3 +60,26 @@ def test_ckpt_reshard_help_lists_the_strategies_and_the_source_defaults():
     for flag in ("--instances", "--outer", "--inner", "--ep", "--expert-strategy"):
         line = next(line for line in out.splitlines() if re.match(rf"^\W*{flag}\s", line))
         assert "the source's" in line, line
+
+
+@pytest.mark.parametrize("command", [["train"], ["ckpt", "reshard"], ["ckpt", "import"], ["ckpt", "export"]])
+def test_help_writes_switches_defaults_and_arguments_as_click_does(command):
+    """No `<bool>` after a switch (--help, --swiglu), defaults as written (`[default: 1]`, not `[default: (1)]`),
+    arguments in capitals in the usage line (`SRC DST`, not `{src} {dst}`)."""
+    out = runner.invoke(app, [*command, "--help"], env=WIDE).stdout
+    assert "<bool>" not in out and "[default: (" not in out, out
+    if command[0] == "ckpt":
+        target = "OUT" if command[1] == "export" else "DST"
+        assert re.search(rf"Usage: hfsdp ckpt {command[1]} \[OPTIONS\] SRC {target}\s", out), out
+        assert "{src}" not in out
+
+
+def test_ckpt_import_help_shows_its_defaults_and_the_strategies():
+    """`hfsdp ckpt import --help` says what --instances, --outer and --inner default to and lists the strategies,
+    as reshard does."""
+    lines = runner.invoke(app, ["ckpt", "import", "--help"], env=WIDE).stdout.splitlines()
+    for flag, default in (("--instances", "1"), ("--outer", "no_shard"), ("--inner", "optim_grads_params")):
+        line = next(line for line in lines if re.match(rf"^\W*{flag}\s", line))
+        assert f"[default: {default}]" in line, line
+        if flag != "--instances":
+            assert all(name in line for name in Strategy.names()) and "zero3" in line, line

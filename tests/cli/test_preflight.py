@@ -55,9 +55,9 @@ def train(*args: str) -> tuple[int, str, float]:
     return result.exit_code, result.output, time.monotonic() - began
 
 
-def assert_refused_before_start(code: int, output: str, seconds: float, flag: str, text: str) -> None:
-    assert code == 2, output
-    assert output.startswith(f"error: {flag}: ") and text in output, output
+def assert_refused_before_start(code: int, output: str, seconds: float, flag: str, text: str, exit_code=2) -> None:
+    assert code == exit_code, output
+    assert output.startswith((f"error: {flag}: ", f"error: {flag} ")) and text in output, output
     assert len(output.strip().splitlines()) == 1
     assert "starting" not in output and "Traceback" not in output
     assert seconds < 5
@@ -103,7 +103,28 @@ def test_save_whose_next_step_exists(tmp_path):
     """--save into a root that already holds a step this run would write is refused: a save never overwrites."""
     fake_checkpoint(tmp_path / "ck", 10)
     code, output, seconds = train("--save", str(tmp_path / "ck"), "--steps", "20", "--save-every", "5")
-    assert_refused_before_start(code, output, seconds, "--save", "already holds step-10, which this run would save")
+    assert_refused_before_start(code, output, seconds, "--save", "already holds step-10, which `latest` has published")
+
+
+def test_save_over_an_orphan_step_follows_the_documented_rule(tmp_path):
+    """A crash after step-20 was renamed into place but before `latest` moved leaves an orphan step-20 above
+    `latest` (step-10). docs/checkpoints.md: resume loads `latest` and saving step 20 again replaces the orphan;
+    so `--load ROOT --save ROOT` passes the pre-launch checks, as does a fresh run into a root without `latest`.
+    A published step stays refused."""
+    from hfsdp.cli.preflight import preflight
+    from hfsdp.cli.train_config import build_train_config
+
+    root = tmp_path / "ck"
+    fake_checkpoint(root, 20)
+    fake_checkpoint(root, 10)  # `latest` back at step-10: step-20 is the orphan
+    flags = dict(layers=1, hidden=32, vocab=64, seq_len=16, device="cpu", nproc=2, steps=20, save_every=10)
+    plan = preflight(build_train_config({**flags, "load": str(root), "save": str(root)}))
+    assert plan.start_step == 10 and plan.checkpoint == root / "step-10"
+    (root / "latest").unlink()  # no `latest`: every step is unpublished, and a fresh run's save replaces it
+    assert preflight(build_train_config({**flags, "save": str(root)})).start_step == 0
+    (root / "latest").write_text("step-20\n")  # now published: refused
+    code, output, seconds = train("--save", str(root), "--steps", "20", "--save-every", "10")
+    assert_refused_before_start(code, output, seconds, "--save", "already holds step-10, which `latest` has published")
 
 
 def test_save_under_a_file(tmp_path):
@@ -122,6 +143,20 @@ def test_metrics_in_a_missing_directory(tmp_path):
     """--metrics in a directory that does not exist is refused (it is not created silently)."""
     code, output, seconds = train("--metrics", str(tmp_path / "no" / "m.jsonl"))
     assert_refused_before_start(code, output, seconds, "--metrics", "does not exist")
+
+
+def test_tensorboard_dir_without_tensorboard_or_on_a_file(tmp_path, monkeypatch):
+    """--tensorboard-dir without the tensorboard package is refused before launch, saying how to install it (never
+    accepted and then ignored); one naming a file is refused too."""
+    from hfsdp.cli import tensorboard_log
+
+    (tmp_path / "f").write_text("")
+    code, output, seconds = train("--tensorboard-dir", str(tmp_path / "f"))
+    assert_refused_before_start(code, output, seconds, "--tensorboard-dir", "is a file")
+    monkeypatch.setattr(tensorboard_log, "available", lambda: False)
+    code, output, seconds = train("--tensorboard-dir", str(tmp_path / "tb"))
+    assert_refused_before_start(code, output, seconds, "--tensorboard-dir", "pip install tensorboard")
+    assert not (tmp_path / "tb").exists()
 
 
 def test_metrics_that_is_a_directory(tmp_path):
@@ -151,11 +186,7 @@ def test_every_problem_at_once_from_the_installed_command(tmp_path):
     assert time.monotonic() - began < 20
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: the run cannot start (3 problems):")
-    assert {line.split(":")[0].strip() for line in proc.stderr.splitlines()[1:]} == {
-        "- --load",
-        "- --save",
-        "- --metrics",
-    }
+    assert {line.split()[1].rstrip(":") for line in proc.stderr.splitlines()[1:]} == {"--load", "--save", "--metrics"}
 
 
 @pytest.mark.parametrize(
@@ -168,15 +199,17 @@ def test_save_steps(start, steps, every, expected):
 
 
 def test_model_config_that_is_no_causal_lm(tmp_path):
-    """A --model-config that is not JSON, names no model_type, or names an architecture without decoder layers is
-    refused before any rank starts, naming --model-config."""
+    """A --model-config that is not JSON or is missing is an invalid setting (exit 1, as validate-config says); one
+    that names an architecture without decoder layers is refused by the pre-launch build (exit 2); both before
+    any rank starts, naming --model-config."""
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     encoder = tmp_path / "bert.json"
     encoder.write_text('{"model_type": "bert", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 2}')
-    for path, text in ((broken, "cannot be read"), (tmp_path / "none.json", "cannot be read"), (encoder, "decoder")):
+    cases = ((broken, "cannot be read", 1), (tmp_path / "none.json", "is missing", 1), (encoder, "decoder", 2))
+    for path, text, exit_code in cases:
         code, output, seconds = train_hf(str(path))
-        assert_refused_before_start(code, output, seconds + 0, "--model-config", text)
+        assert_refused_before_start(code, output, seconds + 0, "--model-config", text, exit_code)
 
 
 def test_model_config_shorter_than_the_sequence(tmp_path):
@@ -187,7 +220,7 @@ def test_model_config_shorter_than_the_sequence(tmp_path):
         '"num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 8}'
     )
     code, output, seconds = train_hf(str(config))
-    assert_refused_before_start(code, output, seconds, "--seq-len", "max_position_embeddings")
+    assert_refused_before_start(code, output, seconds, "--seq-len", "max_position_embeddings", exit_code=1)
 
 
 def train_hf(config: str) -> tuple[int, str, float]:
@@ -197,3 +230,14 @@ def train_hf(config: str) -> tuple[int, str, float]:
     result = runner.invoke(app, args)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     return result.exit_code, result.output, time.monotonic() - began - 3  # transformers' import: ~3 s of it
+
+
+def test_a_model_config_without_a_causal_lm_is_one_short_line(tmp_path):
+    """An encoder-decoder --model-config (t5) is refused in one line of a few hundred characters, not transformers'
+    4 KB list of every causal LM class it knows."""
+    config = tmp_path / "t5.json"
+    config.write_text('{"model_type": "t5", "vocab_size": 64, "d_model": 32, "num_heads": 4, "num_layers": 1}')
+    code, output, _ = train_hf(str(config))
+    assert code == 2 and len(output.strip().splitlines()) == 1 and "Traceback" not in output, output
+    assert output.startswith("error: --model-config: transformers has no causal language model for model_type 't5'")
+    assert len(output) < 400, output

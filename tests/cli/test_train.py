@@ -55,6 +55,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _importing_torch(pid: int) -> bool:
+    """Whether process `pid` has started to load torch's libraries (it is importing torch, or past it)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
     deadline = time.monotonic() + seconds
     while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
@@ -139,9 +147,13 @@ def test_a_failing_rank_stops_every_rank_with_its_error(tmp_path):
 
 def test_save_reshard_and_resume_through_the_cli(tmp_path):
     """Train 4 steps of HFSDP on 2 ranks saving every 2, `hfsdp ckpt reshard` step 2 to 1 rank, --load it and train
-    to step 4: steps 3-4 give the losses of the uninterrupted run; the resume says where from and which layouts;
-    a resume with nothing left to do says so without starting ranks; an explicit --lr wins over the checkpoint's."""
-    model = ["--global-batch-size", "8", "--micro-batch-size", "2", *SMALL]
+    to step 4: steps 3-4 give the losses and the learning rates of the uninterrupted run (a warmup + cosine schedule
+    continued at the checkpoint's step, not restarted at step 0); the resume says where from and which layouts; a
+    resume with nothing left to do says so without starting ranks; an explicit --lr wins over the checkpoint's."""
+    from hfsdp.recipes.lr_schedule import Schedule
+
+    schedule = ["--lr-warmup-iters", "3", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
+    model = ["--global-batch-size", "8", "--micro-batch-size", "2", *schedule, *SMALL]
     hfsdp = ["--nproc", "2", "--instances", "2", "--outer", "optim", *model]
     whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
     # One run is both the uninterrupted one (its metrics) and the one that saved step 2 (and step 4).
@@ -170,11 +182,14 @@ def test_save_reshard_and_resume_through_the_cli(tmp_path):
     expected = _records(whole)[2:]
     got = _records(resumed)
     assert [r["step"] for r in got] == [3, 4]
+    lr_at = Schedule(3e-3, 1e-4, warmup_iters=3, decay_iters=4, style="cosine").lr_at
+    assert [r["lr"] for r in got] == pytest.approx([lr_at(3), lr_at(4)], rel=1e-9)  # restarted: lr_at(1), lr_at(2)
     for a, b in zip(got, expected, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["lr"] == pytest.approx(b["lr"], rel=1e-12)
 
     override = tmp_path / "override.jsonl"
-    third = _run(*args[:-1], "3", "--load", str(tmp_path / "ck1"), "--lr", "1e-4", "--metrics", str(override))
+    end = ["--lr-decay-iters", "4"]  # --steps 3 would end the decay inside the warmup
+    third = _run(*args[:-1], "3", *end, "--load", str(tmp_path / "ck1"), "--lr", "1e-4", "--metrics", str(override))
     assert third.returncode == 0, third.stderr[-2000:]
     assert "--lr 0.0001 instead of the checkpoint's 0.003" in third.stdout
     assert [r["lr"] for r in _records(override)] == [pytest.approx(1e-4)]
@@ -269,6 +284,30 @@ def test_ctrl_c_stops_with_one_line_and_exit_130(tmp_path):
     _assert_stopped_cleanly(tmp_path, proc, out, err, ranks, 130, "SIGINT")
 
 
+def test_ctrl_c_while_the_ranks_still_import_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C a moment after the ranks are spawned, while they still import torch and transformers: exit 130 and
+    the one line, no KeyboardInterrupt traceback from any rank, every rank gone."""
+    proc = subprocess.Popen(
+        [HFSDP, "train", "--nproc", "2", "--steps", "100000", *_tiny_hf_model(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    while len(ranks) < 2 and proc.poll() is None:
+        ranks = [p for p in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        time.sleep(0.05)
+    while proc.poll() is None and not all(_importing_torch(p) for p in ranks):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # the ranks are inside their imports (seconds of them): torch is loading
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines() == ["interrupted before the first step (SIGINT); no checkpoint saved (no --save)"]
+    assert not _wait_gone(ranks)
+
+
 def test_a_killed_rank_is_reported_as_killed(tmp_path):
     """A rank killed with SIGKILL is reported as such, without pointing at a traceback that does not exist."""
     metrics = tmp_path / "m.jsonl"
@@ -309,7 +348,8 @@ LLAMA = {
 def test_train_a_hugging_face_model_with_a_schedule_evaluation_and_recompute(tmp_path):
     """`hfsdp train --model-config config.json` trains the transformers Llama it describes (HFSDP 2x1, recompute)
     with Megatron's warmup + cosine schedule: every step's lr is the schedule's, held-out loss is reported every
-    --eval-interval steps and at the end, the loss falls, and a checkpoint is saved."""
+    --eval-interval steps and at the end, the loss falls, and a checkpoint is saved; --tensorboard-dir holds the
+    same figures as --metrics, step by step, read back with TensorBoard's own event reader."""
     from hfsdp.recipes.lr_schedule import Schedule
 
     config = tmp_path / "config.json"
@@ -318,15 +358,33 @@ def test_train_a_hugging_face_model_with_a_schedule_evaluation_and_recompute(tmp
     args = ["--model-config", str(config), "--nproc", "2", "--instances", "2", "--outer", "optim", "--steps", "7"]
     args += ["--lr", "1e-2", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-3"]
     args += ["--eval-interval", "3", "--recompute", "--seq-len", "16", "--device", "cpu"]
-    result = _run(*args, "--metrics", str(metrics), "--save", str(tmp_path / "ckpt"))
+    board = tmp_path / "tb"
+    result = _run(*args, "--metrics", str(metrics), "--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(board))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HFSDP 2x1" in result.stdout and result.stderr == ""
     records = _records(metrics)
+    _assert_tensorboard_holds(board, records)
     schedule = Schedule(1e-2, 1e-3, warmup_iters=2, decay_iters=7, style="cosine")
     assert [r["lr"] for r in records] == pytest.approx([schedule.lr_at(n) for n in range(1, 8)], rel=1e-9)
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 7]
     assert records[-1]["eval_loss"] < records[2]["eval_loss"] and records[-1]["loss"] < records[0]["loss"]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-7"
+
+
+def _assert_tensorboard_holds(board: Path, records: list[dict]) -> None:
+    """The TensorBoard event files under `board` hold every figure of every record, at its step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hfsdp.cli.tensorboard_log import TAGS
+
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(TAGS.values())
+    for key, tag in TAGS.items():
+        written = {e.step: e.value for e in events.Scalars(tag)}
+        expected = {r["step"]: r[key] for r in records if key in r}
+        assert written.keys() == expected.keys(), tag
+        assert [written[s] for s in expected] == pytest.approx(list(expected.values()), rel=1e-6), tag
 
 
 def test_hugging_face_in_train_and_out(tmp_path):

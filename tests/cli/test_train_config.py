@@ -14,6 +14,9 @@ from hfsdp.cli.settings import SETTINGS
 from hfsdp.cli.train_config import build_file_config, build_train_config
 from hfsdp.core.config import MEGATRON_NAMES, ConfigError
 
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "max_position_embeddings": 32}  # fmt: skip
+
 
 def _build(flags=None, world=None, torchrun_world=None):
     flags = dict(flags or {})
@@ -205,12 +208,13 @@ def test_non_finite_numbers_are_refused(flag, value):
     assert _fields(err.value) == {"--" + flag.replace("_", "-")}
 
 
-def test_model_config_excludes_the_gpts_model_flags():
+def test_model_config_excludes_the_gpts_model_flags(tmp_path):
     """--model-config builds the model its config.json describes: a GPT shape flag beside it is refused under
     --model-config, naming the flag; the defaults of those flags do not count."""
-    assert _build({"model_config": "llama/config.json"}).model_config == "llama/config.json"
+    config = str(_write(tmp_path, "config.json", LLAMA))
+    assert _build({"model_config": config}).model_config == config
     with pytest.raises(ConfigError) as err:
-        _build({"model_config": "llama/config.json", "layers": 4})
+        _build({"model_config": config, "layers": 4})
     assert _fields(err.value) == {"--model-config"} and "--layers 4" in err.value.problems[0].message
 
 
@@ -273,3 +277,117 @@ def test_a_resume_continues_the_checkpoints_schedule_unless_told_otherwise():
         "--lr 0.0005 instead of the checkpoint's 0.001",
         "--lr-decay-iters 30 instead of the checkpoint's 10",
     ]
+
+
+# What megatron-core, transformers and the data refuse, and the bounds on sizes ---------------------------------
+
+REFUSED = {
+    "top-1 routing": ({"num_moe_experts": 2, "moe_topk": 1}, "--moe-topk", "refuses top-1 routing"),
+    "an odd rotary head dim": ({"hidden": 12, "heads": 4}, "--hidden", "4 heads of 3 channels, an odd number"),
+    "a one-token vocabulary": ({"vocab": 1}, "--vocab", "--vocab 1 must be at least 2"),
+    "a vocabulary of 1e9": ({"vocab": 10**9}, "--vocab", "is above 4,194,304, the largest vocabulary size"),
+    "a million layers": ({"layers": 10**6}, "--layers", "--layers 1000000 is above 1,024"),
+    "2,000 experts": ({"num_moe_experts": 2000}, "--moe-experts", "--moe-experts 2000 is above 1,024"),
+    "a global batch of 2^40": ({"global_batch_size": 2**40}, "--global-batch-size", "global batches of"),
+    "sequences of 1e8": ({"seq_len": 10**8}, "--seq-len", "--seq-len 100000000 is above 1,048,576"),
+    "microbatches of 2^25 tokens": (
+        {"seq_len": 8, "micro_batch_size": 2**22, "global_batch_size": 2**24},
+        "--micro-batch-size",
+        "microbatches of 33,554,432 tokens",
+    ),
+    "unfused attention of 2^34 scores": ({"seq_len": 2**16, "micro_batch_size": 1}, "--seq-len", "attention scores"),
+    "a model of 5e11 parameters": ({"hidden": 65536, "vocab": 4_000_000}, "--hidden", "parameters, 2.5 TB in fp32"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_would_fail_inside_a_rank_is_refused_by_the_rules(case):
+    """Each of these used to be valid and then failed in every rank (megatron-core's refusal, a shape mismatch, the
+    allocator) or made no progress; now it is one problem under its flag, saying why and, for sizes, what the run
+    would need."""
+    flags, flag, words = REFUSED[case]
+    with pytest.raises(ConfigError) as err:
+        _build(flags)
+    assert _fields(err.value) == {flag}, err.value.problems
+    assert words in err.value.problems[0].message
+
+
+def test_sizes_at_the_bounds_are_valid():
+    """The bounds themselves are allowed: a 2-token vocabulary, top-2 of 2 experts, head dimension 2, sequences of
+    the bound's length with a micro batch of one."""
+    assert _build({"vocab": 2, "num_moe_experts": 2, "moe_topk": 2, "hidden": 8, "heads": 4}).vocab == 2
+    assert _build({"seq_len": 2**14, "micro_batch_size": 1, "heads": 1, "hidden": 2, "global_batch_size": 4}).seq_len
+
+
+def test_docs_list_the_bounds_the_code_applies():
+    """docs/cli.md's table of bounds is the code's (hfsdp.models.sizes), row for row."""
+    from pathlib import Path
+
+    from hfsdp.models import sizes
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    rows = [line.split("|")[1:-1] for line in docs.splitlines() if line.startswith("| ") and line.count("|") == 6]
+    table = {cells[0].strip(): (cells[3].strip(), cells[4].strip()) for cells in rows[1:]}
+    expected = {what: (str(least), f"{most:,}") for least, most, what in sizes.LIMITS.values()}
+    names = {"vocabulary size": "vocabulary", "MLP (intermediate) size": "MLP size", "number of layers": "layers",
+             "number of attention heads": "attention heads", "number of key/value heads": "key/value heads",
+             "number of experts": "experts"}  # fmt: skip
+    assert {names.get(k, k): v for k, v in expected.items()} == table
+    for bound in (
+        sizes.MAX_PARAMETERS,
+        sizes.MAX_BATCH_TOKENS,
+        sizes.MAX_MICROBATCH_TOKENS,
+        sizes.MAX_ATTENTION_SCORES,
+    ):
+        assert f"{bound:,}" in docs
+
+
+# How problems read --------------------------------------------------------------------------------------
+
+
+def test_messages_name_the_flag_once_and_leak_no_python_types():
+    """`hfsdp train --outer optm --dtype fp16 --nproc 0 --lr-decay-style cosin`: each line names its flag once, quotes
+    values as written (no "(text)", no "(int)"), and suggests the choice meant; the text '8' is called text."""
+    from typer.testing import CliRunner
+
+    from hfsdp.cli.main import app
+
+    result = CliRunner().invoke(app, ["train", "--outer", "optm", "--dtype", "fp16", "--nproc", "0",
+                                      "--lr-decay-style", "cosin", "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()[1:]
+    assert sorted(lines) == sorted([
+        "  - --outer is 'optm', which is not allowed: 'optm' is not a sharding strategy. Did you mean 'optim'? Use one "
+        "of no_shard, optim, optim_grads, optim_grads_params.",
+        "  - --dtype must be one of fp32, bf16; got 'fp16'.",
+        "  - --nproc must be a positive integer, got 0; write a whole number such as 1, 2 or 8.",
+        "  - --lr-decay-style must be one of constant, linear, cosine (did you mean cosine?); got 'cosin'.",
+    ])  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        _build({"steps": "8"})
+    assert err.value.problems[0].message.endswith("got the text '8'.")
+
+
+def test_zero_names_are_accepted_for_the_megatron_strategies():
+    """zero1/zero2/zero3/ddp (any case, with - or _), the names the README and DeepSpeed use, mean optim,
+    optim_grads, optim_grads_params and no_shard."""
+    cfg = _build({"inner": "zero3", "outer": "ZeRO-1", "instances": 2})
+    assert cfg.layout.layout_name == "HFSDP 2x2 (optim over optim_grads_params)"
+    assert _build({"inner": "zero_2", "outer": "DDP", "instances": 2}).layout.inner == "optim_grads"
+
+
+def test_the_summary_says_1_step():
+    """One step is "1 step", not "1 steps"."""
+    import io
+    from contextlib import redirect_stdout
+
+    import torch
+
+    from hfsdp.cli.train_loop import _print_summary
+
+    summary = {"layout": "ZeRO-3 1x4", "steps": 1, "final_loss": 1.0, "tokens_per_s": 10.0,
+               "peak_memory_mb_per_rank": [1.0]}  # fmt: skip
+    out = io.StringIO()
+    with redirect_stdout(out):
+        _print_summary(_build({"steps": 1}), summary, torch.device("cpu"))
+    assert "ZeRO-3 1x4, 1 step, final loss" in out.getvalue()

@@ -151,10 +151,19 @@ def test_config_error_lists_every_problem():
 
 @pytest.mark.parametrize("name", ["inner", "outer", "expert_strategy", "expert_outer"])
 def test_unknown_strategy_names_are_rejected(name):
-    """Every strategy field rejects a name outside the four, naming the field and the bad value."""
-    found = problems(**{name: "zero3"})
+    """Every strategy field rejects a name outside the four (and their zero/ddp aliases), naming the field and the
+    bad value."""
+    found = problems(**{name: "zero4"})
     assert set(found) == {name}
-    assert "'zero3' is not a sharding strategy" in found[name]
+    assert "'zero4' is not a sharding strategy" in found[name]
+
+
+def test_the_zero_and_ddp_names_mean_the_megatron_strategies():
+    """zero1, zero2, zero3 and ddp, in any case and with or without - or _, are optim, optim_grads,
+    optim_grads_params and no_shard."""
+    cfg = LayoutConfig(world_size=4, inner="ZeRO-3", outer="zero_1", instances=2, expert_strategy="zero2")
+    assert (cfg.inner, cfg.outer, cfg.expert_strategy) == ("optim_grads_params", "optim", "optim_grads")
+    assert LayoutConfig(world_size=4, inner="zero3", outer="DDP", instances=2).outer == "no_shard"
 
 
 def test_misspelt_strategy_gets_a_suggestion():
@@ -327,16 +336,18 @@ def test_one_batch_size_alone_is_allowed():
 @pytest.mark.parametrize("value", [True, False, "2", 2.0, 0, -1])
 @pytest.mark.parametrize("name", SIZE_FIELDS + OPTIONAL_SIZE_FIELDS)
 def test_sizes_must_be_positive_integers(name, value):
-    """Every size field rejects bool, str, float, zero and negatives, naming the field and the value."""
+    """Every size field rejects bool, str, float, zero and negatives, naming the field and the value as the user
+    wrote it (no Python type names; a number in quotes is called text)."""
     found = problems(**{name: value})
     assert name in found
-    assert f"{name} must be a positive integer, got {value!r} ({type(value).__name__})" in found[name]
+    written = str(value).lower() if isinstance(value, bool) else "the text '2'" if value == "2" else repr(value)
+    assert f"{name} must be a positive integer, got {written};" in found[name]
 
 
 @pytest.mark.parametrize("name", ["world_size", "instances", "tp"])
 def test_none_is_not_a_required_size(name):
     """A required size given as None is rejected like any other non-integer."""
-    assert "must be a positive integer, got None" in problems(**{name: None})[name]
+    assert "must be a positive integer, got nothing (null)" in problems(**{name: None})[name]
 
 
 def test_several_problems_are_reported_at_once():

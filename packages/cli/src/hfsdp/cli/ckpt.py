@@ -14,6 +14,7 @@ need it (reshard, import, export); `hfsdp --help`, inspect and verify stay fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from enum import StrEnum
@@ -24,10 +25,11 @@ import typer
 from rich.console import Console
 
 from hfsdp.ckpt.format.text import printable
+from hfsdp.cli.report import problem_text
 from hfsdp.core.strategy import Strategy  # torch-free
 
 EXIT_OK, EXIT_INVALID_LAYOUT, EXIT_CHECKPOINT = 0, 1, 2
-STRATEGIES = ", ".join(Strategy.names())
+STRATEGIES = ", ".join(Strategy.names()) + " (or ddp, zero1, zero2, zero3)"
 SOURCES = "the source's"
 MIB = 1 << 20
 
@@ -104,8 +106,24 @@ def _guarded(command: str, fn, as_json: bool = False):
         raise _fail(command, message, as_json) from None
 
 
+def _destination_free(command: str, src: Path, dst: Path) -> None:
+    """Refuse a destination that is taken, or is (around) the source, before torch is imported (seconds), with the
+    messages and in the order the writer has them."""
+    from hfsdp.ckpt.format.staging import check_apart, ensure_absent  # torch-free
+
+    def check() -> None:
+        check_apart([src], dst, command)
+        ensure_absent(dst, command)
+
+    _guarded(command, check)
+
+
 def _progress(label: str):
-    """A rich progress bar and the (done, total) callback that drives it."""
+    """A rich progress bar on a terminal and the (done, total) callback that drives it. When stderr is a file or a
+    pipe, nothing: a bar there is noise, and rich ends it with an empty line."""
+    console = _console(stderr=True)
+    if not console.is_terminal:
+        return contextlib.nullcontext(), lambda done, total: None
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     bar = Progress(
@@ -114,7 +132,7 @@ def _progress(label: str):
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=_console(stderr=True),
+        console=console,
         transient=True,
     )
     task = bar.add_task(label, total=None)
@@ -128,7 +146,7 @@ def _progress(label: str):
 @app.command()
 def reshard(
     src: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
-    dst: Annotated[Path, typer.Argument(help="New directory to write (must not exist).")],
+    dst: Annotated[Path, typer.Argument(help="New directory to write (must not exist, or be empty).")],
     world_size: Annotated[int, typer.Option("--world-size", help="World size of the target layout.")],
     instances: Annotated[
         int | None, typer.Option(help="Optimizer instances (outer axis size).", show_default=SOURCES)
@@ -149,9 +167,9 @@ def reshard(
 ) -> None:
     """Rewrite a checkpoint for another layout; options not given keep the source's values."""
     from hfsdp.ckpt import read_index, resolve
-    from hfsdp.ckpt import reshard as do_reshard
     from hfsdp.core.config import ConfigError, LayoutConfig
 
+    _destination_free("reshard", src, dst)
     index = _guarded("reshard", lambda: read_index(resolve(src)))
     given = {"instances": instances, "outer": outer, "inner": inner, "ep": ep, "expert_strategy": expert_strategy}
     fields = {**index.layout, "world_size": world_size, **{k: v for k, v in given.items() if v is not None}}
@@ -168,6 +186,8 @@ def reshard(
             _console(stderr=True),
             "note: the source's global/micro batch sizes do not fit the new world size; the target records none.",
         )
+    from hfsdp.ckpt import reshard as do_reshard
+
     bar, update = _progress("reshard")
     with bar:
         result = _guarded(
@@ -188,7 +208,7 @@ def _report_invalid(err, command: str = "reshard") -> None:
     console = _console(stderr=True)
     _say(console, f"hfsdp ckpt {command}: the target layout is invalid ({len(err.problems)} problem(s)):")
     for p in err.problems:
-        _say(console, f"  - {p.field}: {p.message}")
+        _say(console, f"  - {problem_text(p.field, p.message)}")
 
 
 @app.command("import")
@@ -196,11 +216,17 @@ def import_(
     src: Annotated[
         Path, typer.Argument(help="A Hugging Face model directory (save_pretrained: config.json, safetensors).")
     ],
-    dst: Annotated[Path, typer.Argument(help="New checkpoint directory to write (must not exist).")],
+    dst: Annotated[Path, typer.Argument(help="New checkpoint directory to write (must not exist, or be empty).")],
     world_size: Annotated[int, typer.Option("--world-size", help="World size of the target layout.")],
-    instances: Annotated[int | None, typer.Option(help="Optimizer instances (outer axis size).")] = None,
-    outer: Annotated[str | None, typer.Option(help="Outer sharding strategy.")] = None,
-    inner: Annotated[str | None, typer.Option(help="Inner sharding strategy.")] = None,
+    instances: Annotated[
+        int | None, typer.Option(help="Optimizer instances (outer axis size).", show_default="1")
+    ] = None,
+    outer: Annotated[
+        str | None, typer.Option(help=f"Outer sharding strategy: {STRATEGIES}.", show_default="no_shard")
+    ] = None,
+    inner: Annotated[
+        str | None, typer.Option(help=f"Inner sharding strategy: {STRATEGIES}.", show_default="optim_grads_params")
+    ] = None,
     compute_dtype: Annotated[
         ComputeDtype, typer.Option("--compute-dtype", help="dtype of the training run's compute weights.")
     ] = ComputeDtype.fp32,
@@ -208,8 +234,9 @@ def import_(
     memory_budget: Annotated[int, typer.Option("--memory-budget", help="Bytes in flight, in MiB.")] = 256,
 ) -> None:
     """Turn a Hugging Face causal LM directory into an hfsdp checkpoint of any layout (step 0, no optimizer)."""
-    from hfsdp.ckpt import import_hf
     from hfsdp.core.config import ConfigError, LayoutConfig
+
+    _destination_free("import", src, dst)
 
     given = {"instances": instances, "outer": outer, "inner": inner}
     try:
@@ -217,6 +244,8 @@ def import_(
     except ConfigError as err:
         _report_invalid(err, "import")
         raise typer.Exit(EXIT_INVALID_LAYOUT) from None
+    from hfsdp.ckpt import import_hf
+
     bar, update = _progress("import")
     with bar:
         result = _guarded(
@@ -242,8 +271,15 @@ def import_(
 @app.command()
 def export(
     src: Annotated[Path, typer.Argument(help="Checkpoint directory, or a root whose 'latest' names one.")],
-    out: Annotated[Path, typer.Argument(help="New directory for the safetensors files (must not exist).")],
-    dtype: Annotated[ExportDtype, typer.Option(help="dtype of the exported weights.")] = ExportDtype.bf16,
+    out: Annotated[Path, typer.Argument(help="New directory for the safetensors files (must not exist, or be empty).")],
+    dtype: Annotated[
+        ExportDtype | None,
+        typer.Option(
+            help="dtype of the exported weights: by default the model's own (its Hugging Face config's dtype, else "
+            "the training --dtype), as save_pretrained keeps it.",
+            show_default="the model's own",
+        ),
+    ] = None,
     output_format: Annotated[
         ExportFormat,
         typer.Option(
@@ -257,6 +293,7 @@ def export(
     io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
 ) -> None:
     """Write the consolidated model weights as standard, size-split safetensors files plus their index."""
+    _destination_free("export", src, out)
     from hfsdp.ckpt import export as do_export
 
     bar, update = _progress("export")
@@ -266,7 +303,7 @@ def export(
             lambda: do_export(
                 src,
                 out,
-                dtype.value,
+                dtype.value if dtype is not None else None,
                 format=output_format.value,
                 max_shard_bytes=max_shard_size * MIB,
                 io_threads=io_threads,
@@ -276,7 +313,7 @@ def export(
     what = "a Hugging Face model directory" if result.format == "hf" else "the consolidated state dict"
     _say(
         _console(),
-        f"Exported {result.tensors} tensors ({dtype.value}) as {what} (--format {result.format}) to {out}: "
+        f"Exported {result.tensors} tensors ({result.dtype}) as {what} (--format {result.format}) to {out}: "
         f"{result.files} file(s), {result.bytes_written / 1e9:.3f} GB in {result.seconds:.2f} s."
         + (
             f" (Not --format hf: the {result.note}, which no transformers architecture matches.)" if result.note else ""

@@ -2,7 +2,7 @@
 
 Config files come from anywhere (a CI checkout, a generated sweep, a typo'd path), so
 reading one must never crash, hang or eat memory, whatever the bytes. Four bounds do it:
-size (`MAX_BYTES`, checked while reading, so `/dev/zero` is refused too), nesting
+size (`MAX_BYTES`, checked while reading; a FIFO or device is refused before it is opened), nesting
 (`MAX_DEPTH`), values after YAML alias expansion (`MAX_VALUES`: a 500-byte "billion
 laughs" is refused at once instead of expanding), and digits (`MAX_DIGITS`: Python's
 4300-digit guard is lifted for parsing only, so an absurd integer becomes an invalid
@@ -15,8 +15,11 @@ Everything that stops a file from being read raises `ParseError`; the caller nam
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
 import sys
 import tomllib
 from collections.abc import Hashable
@@ -61,7 +64,13 @@ class HugeInt:
 
 
 def read_bounded(path: Path) -> bytes:
-    """At most MAX_BYTES of `path`; ParseError when there is more. OSError propagates to the caller."""
+    """At most MAX_BYTES of `path`; ParseError when there is more, or when it is no regular file (opening a FIFO
+    blocks until someone writes to it; a device never ends). OSError propagates to the caller."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(mode):
+        raise ParseError("it is not a regular file (a FIFO, device or socket); give the path of a config file.")
     with open(path, "rb") as f:
         raw = f.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:

@@ -13,11 +13,13 @@ from typing import Annotated
 
 import typer
 
+from hfsdp.cli import help_format
 from hfsdp.cli.ckpt import app as ckpt_app
 from hfsdp.cli.plan import plan
 from hfsdp.cli.train import train
 from hfsdp.cli.validate import validate_config
 
+help_format.install()
 app = typer.Typer(
     name="hfsdp",
     help="Hybrid-sharded data parallelism for PyTorch and megatron-core.",

@@ -89,9 +89,9 @@ def plan(**flags: Any) -> None:
 
 
 def _plan(flags: dict[str, Any]) -> int:
-    from hfsdp.cli.model_config import ModelConfigError
     from hfsdp.cli.plan_report import report_json, report_text
     from hfsdp.cli.plan_setup import PlanInputError, plan_inputs
+    from hfsdp.models.hf_config import HFModelError
     from hfsdp.planning.candidates import plan_layouts, recommend
     from hfsdp.planning.model_shape import ModelShapeError
 
@@ -107,7 +107,7 @@ def _plan(flags: dict[str, Any]) -> int:
     except PlanInputError as err:
         _problems(err.problems)
         return EXIT_INVALID
-    except ModelConfigError as err:
+    except HFModelError as err:
         say(f"error: {err}", err=True)
         return EXIT_UNUSABLE
     except ModelShapeError as err:

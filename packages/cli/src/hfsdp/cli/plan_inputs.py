@@ -7,8 +7,8 @@ launches that layout. Nothing here imports torch.
 
 from __future__ import annotations
 
-from hfsdp.cli.model_config import read_model_config
 from hfsdp.cli.train_config import TrainConfig
+from hfsdp.models.hf_config import read_hf_config
 from hfsdp.planning.gpt_shape import gpt_shape
 from hfsdp.planning.hf_shape import hf_shape
 from hfsdp.planning.memory import Settings
@@ -21,10 +21,11 @@ MEASURED_MFU = {MEGATRON_GPT: 0.27, "hf": 0.40}
 
 
 def model_shape(cfg: TrainConfig) -> ModelShape:
-    """The run's model: `--model-config`'s fields, or the GPT of the model flags. Raises ModelConfigError or
-    ModelShapeError (both ValueError) with a message naming the flag or the file."""
+    """The run's model: `--model-config`'s fields (read by the one reader of Hugging Face configs, with its bounds),
+    or the GPT of the model flags. Raises HFModelError or ModelShapeError (both ValueError) with a message naming
+    the flag or the file."""
     if cfg.model_config is not None:
-        return hf_shape(read_model_config(cfg.model_config), f"--model-config {cfg.model_config}")
+        return hf_shape(read_hf_config(cfg.model_config), f"--model-config {cfg.model_config}")
     return gpt_shape(
         layers=cfg.layers,
         hidden=cfg.hidden,

@@ -1,11 +1,11 @@
 """What `hfsdp train` checks on this machine before any rank starts: paths, the checkpoint, the device.
 
 The config rules (`train_config.resolve`) judge values; these checks judge the world the
-run will meet: that `--load` is a sound checkpoint of this model, that `--save` and
-`--metrics` can be written and that no save would collide with an existing step, that the
-dataset and the device exist. Each takes seconds at most, so a mistake costs a message
-instead of a minute of spawning ranks and two torch tracebacks. Every problem is reported
-at once, under the flag that caused it.
+run will meet: that `--load` is a sound checkpoint of this model, that `--save`, `--metrics`
+and `--tensorboard-dir` can be written (and the last has its package), that no save would
+collide with a published step, that the dataset and the device exist. Each takes seconds at
+most, so a mistake costs a message instead of a minute of spawning ranks and two torch
+tracebacks. Every problem is reported at once, under the flag that caused it.
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
         plan = _checkpoint(cfg, verify_checkpoint, problems)
     if cfg.metrics is not None:
         _writable_file(Path(cfg.metrics), "--metrics", problems)
+    if cfg.tensorboard_dir is not None:
+        _tensorboard_dir(Path(cfg.tensorboard_dir), problems)
     if cfg.save is not None and plan.nothing_to_do(cfg) is None:
         _save_root(cfg, plan.start_step, problems)
     if problems:
@@ -200,25 +202,22 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
 
 
 def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
-    """--model-config: a config.json transformers builds into a causal LM with decoder layers, long enough for
-    --seq-len, without experts hfsdp would not find."""
+    """--model-config: a config transformers builds (on `meta`) into a causal LM with decoder layers, long enough for
+    --seq-len with the architecture's defaults filled in. The file's own contents passed the rules already."""
+    from hfsdp.cli.rules import seq_len_beyond_positions
     from hfsdp.models import hf
 
+    flag = cfg.given["model_config"].spelled if "model_config" in cfg.given else "--model-config"
     try:
         config = hf.load_config(cfg.model_config)
         hf.build_causal_lm(config, device="meta")
     except hf.HFModelError as err:
-        problems.append(Problem("--model-config", f"--model-config {cfg.model_config}: {err}"))
+        problems.append(Problem(flag, str(err)))
         return
     longest = getattr(config, "max_position_embeddings", None)
     if isinstance(longest, int) and cfg.seq_len > longest:
-        problems.append(
-            Problem(
-                "--seq-len",
-                f"--seq-len {cfg.seq_len} is longer than the {longest} positions {cfg.model_config} allows "
-                "(max_position_embeddings); train on shorter sequences.",
-            )
-        )
+        seq_len = cfg.given["seq_len"].said() if "seq_len" in cfg.given else f"--seq-len {cfg.seq_len}"
+        problems.append(Problem("--seq-len", seq_len_beyond_positions(seq_len, longest, cfg.model_config)))
 
 
 def _as_flag(value: Any) -> str:
@@ -240,7 +239,15 @@ def _shapes_from_index(index) -> dict[str, int]:
 
 
 def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
-    """--save: a directory (or one that can be created) that we can write, without the steps this run saves."""
+    """--save: a directory (or one that can be created) that we can write, where no step this run saves is published.
+
+    A step above the one `latest` names (or any step, without `latest`) is the orphan of a save that crashed
+    between its rename and moving `latest`: the save of that step replaces it (docs/checkpoints.md), so it is no
+    obstacle; a published step is, since a save never overwrites one.
+    """
+    from hfsdp.ckpt import CheckpointError
+    from hfsdp.ckpt.format.store import is_unpublished
+
     root = Path(cfg.save)
     if root.exists() and not root.is_dir():
         problems.append(Problem("--save", f"--save {root} is a file, not a directory; give a checkpoint directory."))
@@ -249,15 +256,44 @@ def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
         return
     for step in save_steps(start, cfg.steps, cfg.save_every):
         taken = root / f"step-{step}"
-        if taken.exists():
+        if not taken.exists():
+            continue
+        try:
+            orphan = is_unpublished(root, step)
+        except CheckpointError as err:  # a damaged `latest`
+            problems.append(Problem("--save", f"--save {root}: {err}"))
+            return
+        if not orphan:
             problems.append(
                 Problem(
                     "--save",
-                    f"--save {root} already holds step-{step}, which this run would save; a save never overwrites. "
-                    f"Choose another --save, remove {taken}, or resume from it with --load {root}.",
+                    f"--save {root} already holds step-{step}, which `latest` has published and this run would save "
+                    f"again; a save never overwrites a published step. Choose another --save, remove {taken}, or "
+                    f"resume from it with --load {root}.",
                 )
             )
             return
+
+
+def _tensorboard_dir(directory: Path, problems: list[Problem]) -> None:
+    """--tensorboard-dir: the tensorboard package is there to write with, and the directory can be written."""
+    from hfsdp.cli import tensorboard_log
+
+    if not tensorboard_log.available():
+        problems.append(
+            Problem(
+                "--tensorboard-dir",
+                f"--tensorboard-dir needs the tensorboard package, which is not installed; {tensorboard_log.INSTALL} "
+                "(or drop the flag: --metrics writes the same figures as JSON lines).",
+            )
+        )
+        return
+    if directory.exists() and not directory.is_dir():
+        problems.append(
+            Problem("--tensorboard-dir", f"--tensorboard-dir {directory} is a file; give a directory for the logs.")
+        )
+        return
+    _writable_dir(directory, "--tensorboard-dir", problems)
 
 
 def _writable_file(path: Path, flag: str, problems: list[Problem]) -> None:

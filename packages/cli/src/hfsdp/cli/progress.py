@@ -43,15 +43,21 @@ class _Lines:
 
 
 class _Bar:
-    def __init__(self, total: int, start: int):
+    """train, the step count, a short bar and the time left first, then the figures: on a narrow terminal the
+    figures are cut (with an ellipsis), never the count or the time left."""
+
+    def __init__(self, total: int, start: int, console=None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.table import Column
 
         self.progress = Progress(
             TextColumn("[bold]train"),
-            BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
+            BarColumn(bar_width=16),
             TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+            console=console,
+            expand=True,
         )
         self.task = self.progress.add_task("train", total=total, completed=start, info="")
 

@@ -24,15 +24,33 @@ _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(
 
 
 def shown(value: object) -> str:
-    """`value` as a message quotes it: short, with the type when it could be mistaken ('8' is text)."""
+    """`value` as a message quotes it: short, as the user wrote it (text in quotes, true/false), saying "the
+    text" only where it could be mistaken for what was meant ('8' in quotes is text, not a number)."""
     if isinstance(value, HugeInt):
         return repr(value)
     if value is None:
         return "nothing (null)"
-    text = _repr.repr(value)
-    if isinstance(value, str):
-        text += " (text)"
-    return printable(text)
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = printable(_repr.repr(value))
+    return f"the text {text}" if isinstance(value, str) and _looks_like_a_value(value) else text
+
+
+def _looks_like_a_value(text: str) -> bool:
+    """Whether quoted text reads like a number or a switch, which the user probably meant unquoted."""
+    if text.strip().lower() in ("true", "false", "yes", "no", "on", "off", "null", "none"):
+        return True
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def problem_text(field: str, message: str) -> str:
+    """One problem as a line says it: its message alone when that starts with the field's name already
+    ("--outer is 'optm' ..."), else "field: message"; so no flag is named twice."""
+    return message if message.startswith((f"{field} ", f"{field}:")) else f"{field}: {message}"
 
 
 def printable(text: str) -> str:

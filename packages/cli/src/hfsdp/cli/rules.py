@@ -2,6 +2,11 @@
 
 `train_config.resolve` checks a rule once every setting it names passed its own check (`settings.py`),
 for `hfsdp train` and `hfsdp validate-config` alike. Adding a rule is one function and one `Rule` entry.
+
+They include everything megatron-core's `TransformerConfig`, transformers or the trainer itself would
+refuse inside every rank (top-1 routing, an odd rotary head dimension, a one-token vocabulary), and the
+documented bounds on sizes (`hfsdp.models.sizes`): `validate-config` promises that a valid file trains.
+A `--model-config` file is read here too, by the torch-free reader `hfsdp.models.hf_config`.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfsdp.cli.settings import GPT_SETTINGS
+from hfsdp.models import sizes
 
 
 @dataclass(frozen=True)
@@ -19,11 +25,12 @@ class Rule:
 
     `check(values, said)` returns what is wrong or None; `said(name)` is how the user set a
     setting ("--hidden 30", "model.moe_router_topk 2 (the default)") and `said.explicit(name)`
-    whether the user set it at all. The problem is reported under the first name.
+    whether the user set it at all. The problem is reported under the first name, or, when `check`
+    returns a list of (name, message), each under its own.
     """
 
     names: tuple[str, ...]
-    check: Callable[[dict[str, Any], Callable[[str], str]], str | None]
+    check: Callable[[dict[str, Any], Callable[[str], str]], str | list[tuple[str, str]] | None]
 
 
 def _heads_divide_hidden(v: dict[str, Any], said: Callable[[str], str]) -> str | None:
@@ -90,6 +97,111 @@ def _warmup_before_decay_end(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _rotary_head_dim_even(v: dict[str, Any], said) -> str | None:
+    if v["model_config"] is not None or v["hidden"] % v["heads"]:
+        return None  # the GPT is not built, or _heads_divide_hidden reports it
+    dim = v["hidden"] // v["heads"]
+    if dim % 2:
+        return (
+            f"{said('hidden')} gives {said('heads')} heads of {dim} channels, an odd number: the GPT's rotary "
+            "position embeddings rotate pairs of channels; choose a hidden size that is an even multiple of the "
+            f"heads (e.g. {2 * v['heads'] * ((dim + 1) // 2)})."
+        )
+    return None
+
+
+def _router_needs_two_experts(v: dict[str, Any], said) -> str | None:
+    if v["num_moe_experts"] is not None and v["moe_topk"] == 1:
+        return (
+            f"{said('moe_topk')}: megatron-core refuses top-1 routing with the router hfsdp builds (a softmax over "
+            "the one chosen expert is always 1, so the router would learn nothing); route each token to 2 or more "
+            "experts."
+        )
+    return None
+
+
+#: What the GPT's parameter count depends on (and --model-config, which replaces the GPT).
+GPT_SIZES = ("vocab", "hidden", "layers", "heads", "num_query_groups", "num_moe_experts", "swiglu", "model_config")
+
+
+def _gpt_sizes(v: dict[str, Any], said) -> list[tuple[str, str]] | None:
+    """The GPT's sizes within the documented bounds, and the whole model too (`hfsdp.models.sizes`)."""
+    if v["model_config"] is not None:
+        return None  # --model-config's file is checked by its own rule
+    experts = v["num_moe_experts"] or 0
+    values = {"vocab": ("vocab", v["vocab"]), "hidden": ("hidden", v["hidden"]), "layers": ("layers", v["layers"])}
+    values["heads"] = ("heads", v["heads"])
+    if experts:
+        values["num_moe_experts"] = ("experts", experts)
+    heads, groups = v["heads"], v["num_query_groups"] or v["heads"]
+    model = sizes.ModelSizes(
+        vocab=v["vocab"],
+        hidden=v["hidden"],
+        ffn=4 * v["hidden"],
+        layers=v["layers"],
+        heads=heads,
+        kv_heads=groups,
+        head_dim=max(1, v["hidden"] // heads),
+        experts=experts,
+        gated=v["swiglu"],
+    )
+    problems = []
+    for name, text in sizes.check_sizes(values, model):
+        if name is None:  # the whole model: reported under the flag that shapes it most, the hidden size
+            shape = ", ".join(said(n) for n in ("layers", "hidden", "vocab"))
+            problems.append(("hidden", f"with {shape}, {text}; train a smaller model."))
+        else:
+            problems.append((name, f"{said(name)} {text}."))
+    return problems or None
+
+
+def _batch_tokens(v: dict[str, Any], said) -> list[tuple[str, str]] | None:
+    if sizes.limit_problem("seq_len", v["seq_len"]):
+        return None  # _sequence_length says it
+    found = sizes.check_batch(v["seq_len"], v["micro_batch_size"], v["global_batch_size"])
+    problems = []
+    for kind, text in found:
+        name = f"{kind}_size"
+        who = said(name) if said.explicit(name) else f"the global batch of {v[name]:,} sequences (the default)"
+        problems.append((name, f"{who} with {said('seq_len')} {text}."))
+    return problems or None
+
+
+def _gpt_attention(v: dict[str, Any], said) -> str | None:
+    if v["model_config"] is not None or sizes.limit_problem("seq_len", v["seq_len"]):
+        return None  # transformers picks its own attention kernel; a sequence too long is reported by itself
+    wrong = sizes.check_attention(v["seq_len"], v["micro_batch_size"], v["heads"])
+    return f"{said('seq_len')} with {said('micro_batch_size')} and {said('heads')} {wrong}." if wrong else None
+
+
+def _sequence_length(v: dict[str, Any], said) -> str | None:
+    wrong = sizes.limit_problem("seq_len", v["seq_len"])
+    return f"{said('seq_len')} {wrong}; train on shorter sequences." if wrong else None
+
+
+def _hf_config_file(v: dict[str, Any], said) -> list[tuple[str, str]] | None:
+    """--model-config: a config.json the torch-free reader accepts, with positions for --seq-len."""
+    if v["model_config"] is None:
+        return None
+    from hfsdp.models.hf_config import HFModelError, read_hf_config
+
+    try:
+        data = read_hf_config(v["model_config"])
+    except HFModelError as err:
+        return [("model_config", str(err))]
+    longest = data.get("max_position_embeddings")
+    if isinstance(longest, int) and not isinstance(longest, bool) and v["seq_len"] > longest:
+        return [("seq_len", seq_len_beyond_positions(said("seq_len"), longest, v["model_config"]))]
+    return None
+
+
+def seq_len_beyond_positions(seq_len: str, longest: int, source: str) -> str:
+    return (
+        f"{seq_len} is longer than the {longest} positions {source} allows (max_position_embeddings); train on "
+        "shorter sequences."
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),
@@ -97,6 +209,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "steps"), _warmup_before_decay_end),
     Rule(("hidden", "heads"), _heads_divide_hidden),
     Rule(("moe_topk", "num_moe_experts"), _topk_within_experts),
+    Rule(("moe_topk", "num_moe_experts"), _router_needs_two_experts),
+    Rule(("hidden", "heads", "model_config"), _rotary_head_dim_even),
+    Rule(GPT_SIZES, _gpt_sizes),
+    Rule(("seq_len",), _sequence_length),
+    Rule(("seq_len", "micro_batch_size", "global_batch_size"), _batch_tokens),
+    Rule(("seq_len", "micro_batch_size", "heads", "model_config"), _gpt_attention),
+    Rule(("model_config", "seq_len"), _hf_config_file),
     _needs_save("save_every"),
     _needs_save("save_keep"),
 )

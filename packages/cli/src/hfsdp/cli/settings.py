@@ -12,6 +12,7 @@ the layout rules; their file keys are core's `MEGATRON_NAMES`. Nothing here impo
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from hfsdp.core.strategy import Strategy
 #: A per-value rule: None when `value` is fine, else what it must be ("must be a positive whole number ...").
 Check = Callable[[Any], str | None]
 
-STRATEGIES = ", ".join(Strategy.names())
+STRATEGIES = ", ".join(Strategy.names()) + " (or ddp, zero1, zero2, zero3)"
 DTYPES = ("fp32", "bf16")  # what the trainer runs; fp16 would need loss scaling, which it does not do
 DEVICES = ("auto", "cpu", "cuda")
 NORMS = ("LayerNorm", "RMSNorm")
@@ -69,7 +70,10 @@ def non_negative_number(value: object) -> str | None:
 
 def one_of(*choices: str) -> Check:
     def check(value: object) -> str | None:
-        return None if value in choices else f"must be one of {', '.join(choices)}"
+        if value in choices:
+            return None
+        guess = difflib.get_close_matches(value, choices, n=1, cutoff=0.8) if isinstance(value, str) else []
+        return f"must be one of {', '.join(choices)}" + (f" (did you mean {guess[0]}?)" if guess else "")
 
     return check
 
@@ -360,6 +364,16 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     # Output and checkpoints.
     _output("metrics", "--metrics", None, str, "Write one JSON object per step to this file.", path, "none"),
+    _output(
+        "tensorboard_dir",
+        "--tensorboard-dir",
+        None,
+        str,
+        "Write TensorBoard curves to this directory: loss, eval loss, learning rate, grad norm, tokens/s and memory "
+        "per step (needs the tensorboard package).",
+        path,
+        "none",
+    ),
     Setting(
         "log_every",
         "--log-every",

@@ -21,7 +21,7 @@ import typer
 
 from hfsdp.cli import stopping
 from hfsdp.cli.config_file import ConfigFileError
-from hfsdp.cli.report import say
+from hfsdp.cli.report import problem_text, say
 from hfsdp.cli.settings import SETTINGS
 from hfsdp.core.config import ConfigError, Problem
 
@@ -64,11 +64,11 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
             time.sleep(REPORT_GRACE_S)
             return
         if len(problems) == 1:
-            say(f"error: {problems[0].field}: {problems[0].message}", err=True)
+            say(f"error: {problem_text(problems[0].field, problems[0].message)}", err=True)
             return
         say(f"error: {what} ({len(problems)} problems):", err=True)
         for p in problems:
-            say(f"  - {p.field}: {p.message}", err=True)
+            say(f"  - {problem_text(p.field, p.message)}", err=True)
 
     try:
         cfg = build_train_config(flags, torchrun_world)

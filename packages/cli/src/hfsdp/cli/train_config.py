@@ -25,6 +25,8 @@ from hfsdp.core.config import ConfigError, LayoutConfig, Problem
 FLAG, FILE, DEFAULT, ENV = "flag", "file", "default", "env"
 #: Microbatches per optimizer step when --global-batch-size is not given.
 DEFAULT_MICROBATCHES = 2
+#: Layout settings the rules between settings may name: they see the values the valid layout settled on.
+BATCH = ("global_batch_size", "micro_batch_size")
 
 
 @dataclass(frozen=True)
@@ -131,11 +133,14 @@ def resolve(
         good.add(s.name)
 
     layout = _layout(given, problems, good, values, world_flag)
+    judged = dict(values)  # what the rules see: every setting, and the layout's batch sizes once it is valid
+    if layout is not None:
+        judged.update(global_batch_size=layout.global_batch_size, micro_batch_size=layout.micro_batch_size)
     for rule in RULES:
-        if all(name in good for name in rule.names):
-            message = rule.check({n: values[n] for n in rule.names}, _Quote(given))
-            if message:
-                problems.append(Problem(given[rule.names[0]].spelled, message))
+        if all(name in good or (layout is not None and name in BATCH) for name in rule.names):
+            found = rule.check({n: judged[n] for n in rule.names}, _Quote(given))
+            for name, message in [(rule.names[0], found)] if isinstance(found, str) else found or ():
+                problems.append(Problem(given[name].spelled, message))
     if problems or layout is None:
         raise ConfigError(problems)
     return TrainConfig(

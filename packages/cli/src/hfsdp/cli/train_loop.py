@@ -2,7 +2,7 @@
 
 setup (process group, megatron-core groups, model, sharding, optimizer, data, resume)
 -> for each step: microbatches forward/backward, clip, step, log, maybe save, maybe stop
--> summary. Rank 0 reports progress and writes the metrics file.
+-> summary. Rank 0 reports progress and writes the metrics file (and the TensorBoard logs).
 
 Stopping: a SIGINT/SIGTERM only sets a flag (`stopping.deferred`); the flag travels in the
 step's loss all-reduce, so every rank sees it after the same step and leaves together with
@@ -27,6 +27,7 @@ from hfsdp.cli.preflight import MODEL_KEY, model_settings
 from hfsdp.cli.progress import reporter
 from hfsdp.cli.report import say
 from hfsdp.cli.run_dir import RUN_DIR_ENV, progress_file
+from hfsdp.cli.tensorboard_log import TensorBoardLog
 from hfsdp.cli.train_config import TrainConfig
 
 #: Where a checkpoint's `extra` records the learning-rate schedule, so that a resume continues it.
@@ -72,6 +73,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     progress = progress_file(os.environ[RUN_DIR_ENV]) if RUN_DIR_ENV in os.environ else None
 
     metrics = open(cfg.metrics, "a" if start else "w") if (cfg.metrics and rank == 0) else None  # noqa: SIM115
+    board = TensorBoardLog(cfg.tensorboard_dir) if (cfg.tensorboard_dir and rank == 0) else None
     count, times, loss_value, saved = cfg.num_microbatches, [], float("nan"), []
     shown = reporter(cfg.steps, start, cfg.log_every) if rank == 0 else None
     with stopping.deferred(), shown or _Silent():
@@ -112,6 +114,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+            if board:
+                board.write(record)
             if shown:
                 shown.update(record)
             if cfg.save and cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -121,11 +125,15 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             if shared[1].item() > 0 and step + 1 < cfg.steps:
                 if metrics:
                     metrics.close()
+                if board:
+                    board.close()
                 raise stopping.Interrupted(stopping.requested() or signal.SIGTERM, step + 1)
         if cfg.save and cfg.steps > start and (not cfg.save_every or cfg.steps % cfg.save_every):
             saved.append(_save(cfg, built, opt, settings, cfg.steps, rank))
     if metrics:
         metrics.close()
+    if board:
+        board.close()
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, _peak_memory_mb(device))
     steady = sorted(times[1:] or times)
@@ -281,7 +289,8 @@ def _print_summary(cfg: TrainConfig, summary: dict, device: torch.device) -> Non
     kind = "allocated" if device.type == "cuda" else "RSS"
     peaks = ", ".join(f"{p:,.0f}" for p in summary["peak_memory_mb_per_rank"])
     say(
-        f"done: {summary['layout']}, {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"done: {summary['layout']}, {summary['steps']} step{'s' if summary['steps'] != 1 else ''}, final loss "
+        f"{summary['final_loss']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s (median step), peak {kind} MiB per rank: [{peaks}]"
     )
     if cfg.save:

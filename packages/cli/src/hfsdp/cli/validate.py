@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 
 from hfsdp.cli.config_file import ConfigFileError
-from hfsdp.cli.report import printable
+from hfsdp.cli.report import printable, problem_text
 from hfsdp.cli.settings import SETTINGS, STRATEGIES
 from hfsdp.cli.train_config import DEFAULT, TrainConfig, build_file_config
 from hfsdp.core.config import MEGATRON_NAMES, ConfigError, LayoutConfig, Problem
@@ -147,7 +147,7 @@ def _report_invalid(file: Path, problems: tuple[Problem, ...], as_json: bool) ->
     count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
     console.print(printable(f"{file} is not a valid hfsdp config ({count}):"), markup=False)
     for p in problems:
-        console.print(printable(f"  - {p.field}: {p.message}"), markup=False)
+        console.print(printable(f"  - {problem_text(p.field, p.message)}"), markup=False)
 
 
 def _print_summary(file: Path, s: dict[str, Any]) -> None:

@@ -141,7 +141,19 @@ def _is_int(value: object) -> bool:
 
 
 def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    """A bad value as a message quotes it: as written (text in quotes, true/false), its kind named only where it is
+    not what it looks like to a reader (a number in quotes is text)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return repr(value)
+        return f"the text {value!r}"
+    return repr(value)
 
 
 def validate(cfg: LayoutConfig) -> list[Problem]:

@@ -3,7 +3,9 @@
 A strategy says what one mesh axis shards. The names are Megatron's
 (`data_parallel_sharding_strategy`), so configs move between the two unchanged.
 The strategies are ordered by how much they shard; that order is what the
-outer-versus-inner rule in `config.py` compares.
+outer-versus-inner rule in `config.py` compares. The names a DeepSpeed user (and
+hfsdp's own layout names) know them by, `ddp`, `zero1`, `zero2` and `zero3`, are
+accepted for them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class Strategy(StrEnum):
             for strategy in cls:
                 if strategy.value == text:
                     return strategy
+            alias = ALIASES.get(text.replace("-", "").replace("_", ""))
+            if alias is not None:
+                return cls(alias)
             guess = difflib.get_close_matches(text, cls.names(), n=1, cutoff=0.4)
             hint = f" Did you mean '{guess[0]}'?" if guess else ""
             raise ValueError(f"'{value}' is not a sharding strategy.{hint} Use one of {', '.join(cls.names())}.")
@@ -68,3 +73,5 @@ class Strategy(StrEnum):
 
 
 _ORDER = tuple(Strategy)
+#: The names DeepSpeed and the README use (any case, with or without "-"/"_"): accepted for Megatron's own.
+ALIASES = {"ddp": "no_shard", "zero1": "optim", "zero2": "optim_grads", "zero3": "optim_grads_params"}

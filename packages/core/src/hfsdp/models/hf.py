@@ -10,30 +10,23 @@ uses; `transformers` is imported only when one of these is called.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
-CONFIG_NAME = "config.json"
+from hfsdp.models import hf_config
+from hfsdp.models.hf_config import HFModelError
 
-
-class HFModelError(ValueError):
-    """A config.json that cannot be turned into a causal language model hfsdp can shard."""
+__all__ = ["HFModelError", "build_causal_lm", "causal_lm_loss", "config_from_dict", "decoder_layers", "load_config"]
 
 
 def load_config(path: str | Path):
-    """The transformers config in `path` (a config.json, or a directory holding one)."""
-    path = Path(path)
-    file = path / CONFIG_NAME if path.is_dir() else path
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        reason = f"{file} cannot be read as a JSON config ({err})"
-        raise HFModelError(f"{reason}; give a Hugging Face config.json.") from None
-    return config_from_dict(data, str(file))
+    """The transformers config in `path` (a config.json, or a directory holding one), after every check of
+    `hf_config` on the file's contents and again on the config transformers built from them (its defaults)."""
+    file = hf_config.config_file(path)
+    return config_from_dict(hf_config.read_json_file(file, "model config"), str(file))
 
 
 @contextmanager
@@ -51,24 +44,22 @@ def quiet_transformers():
 
 
 def config_from_dict(data: object, source: str = "the model config"):
-    """A transformers config from its dict (`config.to_dict()`, or a config.json's contents)."""
+    """A transformers config from its dict (`config.to_dict()`, or a config.json's contents), checked by
+    `hf_config` before transformers sees it and after (the architecture's defaults fill in what `data` omits)."""
     from transformers import AutoConfig
 
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise HFModelError(
-            f"{source} has no 'model_type'; a Hugging Face config.json names its architecture there "
-            '(e.g. "model_type": "llama").'
-        )
+    hf_config.check_hf_config(data, source)
     params = {k: v for k, v in data.items() if k != "model_type"}
     try:
         with quiet_transformers():
-            return AutoConfig.for_model(data["model_type"], **params)
-    except (ValueError, KeyError, TypeError) as err:
-        reason = str(err).split(". Should contain")[0][:300]  # transformers lists every model type it knows
+            config = AutoConfig.for_model(data["model_type"], **params)
+    except Exception as err:  # transformers' own validation (ValueError, KeyError, its strict dataclasses' errors)
         raise HFModelError(
-            f"{source}: transformers cannot build model_type '{data['model_type']}' ({reason}); use a causal "
-            "language model it knows (llama, qwen2, mistral, ...)."
+            f"{source}: transformers cannot build model_type '{data['model_type']}' ({_first_sentence(err)}); use a "
+            "causal language model it knows (llama, qwen2, mistral, ...) with values it accepts."
         ) from None
+    hf_config.check_hf_config(config.to_dict(), f"{source} (with {type(config).__name__}'s defaults)")
+    return config
 
 
 def build_causal_lm(config, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
@@ -81,8 +72,13 @@ def build_causal_lm(config, seed: int = 0, device: str | torch.device = "cpu") -
             model = AutoModelForCausalLM.from_config(config).float()
     except ValueError as err:
         raise HFModelError(
-            f"transformers has no causal language model for model_type '{config.model_type}' ({err}); use a "
-            "decoder-only architecture such as llama, qwen2 or mistral."
+            f"transformers has no causal language model for model_type '{config.model_type}' "
+            f"({_first_sentence(err)}); use a decoder-only architecture such as llama, qwen2 or mistral."
+        ) from None
+    except Exception as err:  # a value transformers accepted in the config but cannot build (hidden_act: "nope")
+        raise HFModelError(
+            f"transformers cannot build a {config.model_type} model from this config ({type(err).__name__}: "
+            f"{_first_sentence(err)}); correct the config.json, or give another."
         ) from None
     decoder_layers(model)  # refuse early what hfsdp cannot split into units
     return model
@@ -107,3 +103,11 @@ def causal_lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor)
 
 def vocab_size(config) -> int:
     return int(config.vocab_size)
+
+
+def _first_sentence(err: BaseException) -> str:
+    """The start of an error's message, bounded: transformers' messages go on to list every class it knows."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    for stop in (". Should contain", ". Model type should be", "\n"):
+        text = text.split(stop)[0]
+    return text if len(text) <= 200 else text[:197] + "..."

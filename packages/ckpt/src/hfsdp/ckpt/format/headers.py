@@ -21,7 +21,7 @@ from typing import Any
 
 from hfsdp.ckpt.format.dtypes import CODE_ITEMSIZE
 from hfsdp.ckpt.format.errors import CheckpointError
-from hfsdp.ckpt.format.safe_json import JsonError, loads
+from hfsdp.models.safe_json import JsonError, loads
 
 #: safetensors refuses larger headers too.
 MAX_HEADER_BYTES = 100 << 20

@@ -32,9 +32,9 @@ from hfsdp.ckpt.format.checksum import UnknownChecksum, bytes_checksum, short, s
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.index import INDEX_NAME, CheckpointIndex
 from hfsdp.ckpt.format.names import entry_kind, refuse_link
-from hfsdp.ckpt.format.safe_json import JsonError, loads
 from hfsdp.ckpt.format.schema import SchemaError, parse_index
 from hfsdp.ckpt.format.structure import check_structure
+from hfsdp.models.safe_json import JsonError, loads
 
 INDEX_CHECKSUM_NAME = f"{INDEX_NAME}.checksum"
 #: No index hfsdp writes comes near this (a model of 10^5 tensors on 10^4 ranks stays far below).

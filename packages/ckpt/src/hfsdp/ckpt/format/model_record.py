@@ -24,8 +24,8 @@ from typing import Any
 
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.index import MEGATRON_GPT, MODEL_FORMATS, TRANSFORMERS
-from hfsdp.ckpt.format.safe_json import JsonError, loads
 from hfsdp.ckpt.format.schema import SchemaError, parse_model_record
+from hfsdp.models.safe_json import JsonError, loads
 
 #: Nesting allowed inside the record: the index nests it 2 levels deep and allows 64 in all.
 MAX_RECORD_DEPTH = 60

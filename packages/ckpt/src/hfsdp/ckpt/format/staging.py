@@ -138,9 +138,10 @@ def staged_dir(final: Path, kind: str):
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished `tmp` directory to `final` (which must not exist) and make the rename durable."""
+    """Rename the finished `tmp` directory to `final` (which must not exist, or be an empty directory: the rename
+    replaces it atomically, and fails if anything was put there meanwhile) and make the rename durable."""
     fsync_dir(tmp)
-    if os.path.lexists(final):
+    if os.path.lexists(final) and not _empty_dir(final):
         raise CheckpointError(
             f"{final} appeared while it was being written; another process writes there. Nothing was overwritten; "
             f"the finished result was removed. Choose another destination."
@@ -162,11 +163,20 @@ def remove_quietly(path: Path) -> None:
 
 
 def ensure_absent(path: Path, what: str) -> None:
-    if os.path.lexists(path):
+    """Refuse a destination that exists, unless it is an empty directory (not a link): `mkdir out` first is what
+    people do, and an empty directory holds nothing to overwrite (the finished result is renamed over it)."""
+    if os.path.lexists(path) and not _empty_dir(Path(path)):
         raise CheckpointError(
             f"The destination {path} already exists; {what} never overwrites anything. "
-            "Remove it or choose another destination."
+            "Remove it or choose another destination (an empty directory is fine)."
         )
+
+
+def _empty_dir(path: Path) -> bool:
+    try:
+        return not path.is_symlink() and path.is_dir() and next(os.scandir(path), None) is None
+    except OSError:
+        return False
 
 
 def check_apart(sources: Iterable[Path], dst: Path, what: str) -> None:

@@ -7,7 +7,8 @@ transformers, a `model.safetensors` present wins over the index. All of it is
 data from elsewhere, checked the way a checkpoint is:
 
 - the JSON files are bounded in size and parsed by `safe_json` (finite numbers,
-  unique keys, bounded nesting);
+  unique keys, bounded nesting), through the one reader of Hugging Face JSON files
+  that `train --model-config` uses too (`hfsdp.models.hf_config`);
 - every file name the weight map gives is a plain name inside the directory
   (`names.plain_name_problem`): `../x` or `/x` are refused, naming the name;
 - every file is a regular file (a symlink to one is accepted: the Hugging Face
@@ -25,7 +26,6 @@ check.
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,14 +33,11 @@ from typing import Any
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.headers import read_header_at
 from hfsdp.ckpt.format.names import plain_name_problem
-from hfsdp.ckpt.format.safe_json import JsonError, loads
+from hfsdp.models import hf_config
+from hfsdp.models.hf_config import CONFIG_NAME, HFModelError
 
-CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-#: Far above any real config.json (a few KiB; some MiB with a huge id2label) or weight map (~100 KiB for 1000 tensors).
-MAX_JSON_BYTES = 64 << 20
-MAX_DEPTH = 64
 HINT = "Pass the directory a transformers model's save_pretrained wrote, complete."
 
 
@@ -68,8 +65,10 @@ def read_hf_dir(path: str | Path) -> HFDir:
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory. {HINT}")
     config = _read_json(path / CONFIG_NAME, "model config")
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path / CONFIG_NAME} holds no JSON object, so it is not a model config. {HINT}")
+    try:  # the same checks, and messages, as `train --model-config`: sizes within bounds, heads that divide
+        hf_config.check_hf_config(config, str(path / CONFIG_NAME))
+    except HFModelError as err:
+        raise CheckpointError(f"{err} Nothing was written.") from None
     weight_map = _weight_map(path)
     files = tuple(dict.fromkeys(weight_map.values())) if weight_map is not None else (SINGLE_FILE,)
     tensors: dict[str, HFTensor] = {}
@@ -131,25 +130,15 @@ def _weight_map(path: Path) -> dict[str, str] | None:
 
 
 def _read_json(file: Path, what: str) -> Any:
-    _check_regular(file, what)
-    with open(file, "rb") as f:
-        raw = f.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
-        raise CheckpointError(f"{file} is larger than {MAX_JSON_BYTES} bytes, far beyond any {what}. {HINT}")
     try:
-        return loads(raw, MAX_DEPTH)
-    except JsonError as err:
-        raise CheckpointError(f"{file} cannot be read as the {what}: {err}. {HINT}") from None
+        return hf_config.read_json_file(file, what)
+    except HFModelError as err:
+        raise CheckpointError(f"{err} {HINT}") from None
 
 
 def _check_regular(file: Path, what: str, listed_by: Path | None = None) -> None:
     """`file` exists and is (or links to) a regular file."""
     try:
-        mode = os.stat(file).st_mode
-    except FileNotFoundError:
-        by = f", which {listed_by} lists," if listed_by is not None else ""
-        raise CheckpointError(f"The {what} {file}{by} is missing (or a dangling link). {HINT}") from None
-    except OSError as err:
-        raise CheckpointError(f"Cannot look at {file} ({err.strerror or err}); check the path and rights.") from None
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"The {what} {file} is not a regular file (a directory, FIFO or device). {HINT}")
+        hf_config.check_regular(file, what, listed_by)
+    except HFModelError as err:
+        raise CheckpointError(f"{err} {HINT}") from None

@@ -17,7 +17,9 @@ formats:
 transformers architecture, and `megatron` when it records none, or a megatron-core
 GPT no transformers architecture matches (a LayerNorm/GELU GPT); the result says
 which it wrote and why. An explicit `hf` that cannot be written is an error.
-Weights come from the fp32 main weights, cast to the requested dtype
+Weights come from the fp32 main weights, cast to the requested dtype (by
+default the model's own, as `save_pretrained` keeps it: the dtype its
+transformers config records, else the compute dtype it was trained in)
 chunk by chunk, so memory stays within the budget however large a tensor is
 (an HF tensor split off a fused one, such as q_proj of QKV, is read as flat
 ranges of it); buffers and frozen parameters from their own whole copy
@@ -44,7 +46,7 @@ import torch
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.files import check_files
 from hfsdp.ckpt.format.groups import model_order
-from hfsdp.ckpt.format.index import MAIN, UNSHARDED, CheckpointIndex
+from hfsdp.ckpt.format.index import MAIN, TRANSFORMERS, UNSHARDED, CheckpointIndex
 from hfsdp.ckpt.format.index_file import read_index
 from hfsdp.ckpt.format.staging import check_apart, ensure_absent, staged_dir
 from hfsdp.ckpt.format.store import resolve
@@ -54,6 +56,7 @@ from hfsdp.ckpt.tensors.reader import CheckpointReader
 from hfsdp.ckpt.tensors.writer import TensorFileWriter, dtype_name, torch_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHORT = {dtype: name for name, dtype in DTYPES.items()}
 FORMATS = ("auto", "hf", "megatron")
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -68,12 +71,13 @@ class ExportResult:
     seconds: float
     format: str  # "hf" or "megatron": what was written ("auto" resolved)
     note: str | None = None  # why "auto" wrote megatron though the checkpoint records its model
+    dtype: str = "bf16"  # what the weights were written as ("bf16", "fp16", "fp32"): the request or the model's own
 
 
 def export(
     src: str | Path,
     out: str | Path,
-    dtype: str | torch.dtype = "bf16",
+    dtype: str | torch.dtype | None = None,
     *,
     format: str = "auto",
     max_shard_bytes: int = 5 << 30,
@@ -82,16 +86,19 @@ def export(
     progress: Progress | None = None,
 ) -> ExportResult:
     """Write the model weights of checkpoint `src` to the new directory `out` as `dtype` safetensors, in `format`
-    ("hf", "megatron", or "auto": hf when the checkpoint records its model, megatron otherwise)."""
+    ("hf", "megatron", or "auto": hf when the checkpoint records its model, megatron otherwise). `dtype` None is
+    the model's own (`model_dtype`)."""
     started = time.perf_counter()
     out = Path(out)
-    target = _dtype(dtype)
+    target = _dtype(dtype) if dtype is not None else None
     if format not in FORMATS:
         raise CheckpointError(f"Export format '{format}' is not supported; use one of {', '.join(FORMATS)}.")
     src_dir = resolve(src)
     check_apart([Path(src), src_dir], out, "export")
     ensure_absent(out, "export")
     index = read_index(src_dir)
+    if target is None:
+        target = model_dtype(index)
     note = None
     if format == "auto":
         format, note = _auto_format(index, src_dir)
@@ -133,7 +140,24 @@ def export(
         )
         if config is not None:
             _write_synced(tmp / CONFIG_FILE, config)
-    return ExportResult(out, total, len(names), len(tensors), time.perf_counter() - started, format, note)
+    seconds = time.perf_counter() - started
+    return ExportResult(out, total, len(names), len(tensors), seconds, format, note, SHORT[target])
+
+
+def model_dtype(index: CheckpointIndex) -> torch.dtype:
+    """The model's own dtype, what an export writes unless told otherwise: the dtype its transformers config records
+    (`dtype`, or `torch_dtype` before transformers 5: an imported fp32 model exports fp32, as save_pretrained would),
+    else the compute dtype its groups record (the training run's --dtype), else fp32."""
+    if index.model is not None and index.model["format"] == TRANSFORMERS:
+        config = index.model["config"]
+        for key in ("dtype", "torch_dtype"):
+            name = config.get(key)
+            if isinstance(name, str) and getattr(torch, name.removeprefix("torch."), None) in SHORT:
+                return getattr(torch, name.removeprefix("torch."))
+    compute = {group.dtype for group in index.groups}
+    if len(compute) == 1 and getattr(torch, next(iter(compute)), None) in SHORT:
+        return getattr(torch, next(iter(compute)))
+    return torch.float32
 
 
 def _auto_format(index: CheckpointIndex, src_dir: Path) -> tuple[str, str | None]:
