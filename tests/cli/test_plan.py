@@ -143,7 +143,7 @@ def test_plan_is_fast_and_imports_no_torch(llama_70b):
 @pytest.mark.parametrize(("args", "code", "needle"), [
     (["--nodes", "0"], 1, "--nodes must be a positive whole number"),
     (["--hidden", "30", "--heads", "4"], 1, "--hidden 30 is not divisible"),
-    (["--model-config", "/nonexistent/config.json"], 2, "--model-config /nonexistent/config.json"),
+    (["--model-config", "/nonexistent/config.json"], 2, "--model-config: The model config /nonexistent/config.json"),
     (["--mfu", "1.5"], 1, "--mfu is a fraction"),
     (["--format", "yaml"], 1, "--format must be text or json"),
     (["--instances", "3"], 1, "instances 3 does not divide"),

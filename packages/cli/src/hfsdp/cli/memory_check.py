@@ -65,8 +65,33 @@ def capacity(cfg: TrainConfig, local_ranks: int) -> tuple[int, str] | None:
     return share, f"{share / GIB:.1f} GiB, the host's {available / GIB:.1f} GiB available shared by {local_ranks} ranks"
 
 
+def check_build(cfg: TrainConfig, shape: ModelShape, local_ranks: int) -> Problem | None:
+    """Every rank builds the model whole, in fp32, on the host before sharding it (and moves it whole to its GPU):
+    the refusal when the local ranks together cannot, else None."""
+    whole = 4 * shape.params
+    available = _host_available()
+    if available is not None and local_ranks * whole > available:
+        return Problem(
+            "memory",
+            f"every rank builds the whole model in fp32 before sharding it: {billions(shape.params)} parameters are "
+            f"{whole / GIB:.1f} GiB per rank, {local_ranks * whole / GIB:.1f} GiB for the {local_ranks} ranks on "
+            f"this host, which has {available / GIB:.1f} GiB available; use fewer ranks per host, or a smaller model.",
+        )
+    have = capacity(cfg, local_ranks)
+    if have is not None and have[1].startswith("the GPU") and whole > have[0]:
+        return Problem(
+            "memory",
+            f"every rank builds the whole model in fp32 and moves it to its GPU before sharding it: "
+            f"{whole / GIB:.1f} GiB, more than {have[1]}; train a smaller model.",
+        )
+    return None
+
+
 def check(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: int) -> Problem | None:
-    """The refusal when the estimate exceeds what a rank has, else None."""
+    """The refusal when the model cannot be built, or the estimate exceeds what a rank has, else None."""
+    built = check_build(cfg, shape, local_ranks)
+    if built is not None:
+        return built
     have = capacity(cfg, local_ranks)
     if have is None or mem.total <= have[0]:
         return None

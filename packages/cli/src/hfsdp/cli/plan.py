@@ -108,7 +108,7 @@ def _plan(flags: dict[str, Any]) -> int:
         _problems(err.problems)
         return EXIT_INVALID
     except HFModelError as err:
-        say(f"error: {err}", err=True)
+        say(f"error: --model-config: {err}", err=True)
         return EXIT_UNUSABLE
     except ModelShapeError as err:
         say(f"error: --model-config: {err}", err=True)

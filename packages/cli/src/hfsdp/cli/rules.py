@@ -125,7 +125,7 @@ GPT_SIZES = ("vocab", "hidden", "layers", "heads", "num_query_groups", "num_moe_
 
 
 def _gpt_sizes(v: dict[str, Any], said) -> list[tuple[str, str]] | None:
-    """The GPT's sizes within the documented bounds, and the whole model too (`hfsdp.models.sizes`)."""
+    """The GPT's sizes within the documented bounds (`hfsdp.models.sizes`)."""
     if v["model_config"] is not None:
         return None  # --model-config's file is checked by its own rule
     experts = v["num_moe_experts"] or 0
@@ -147,11 +147,7 @@ def _gpt_sizes(v: dict[str, Any], said) -> list[tuple[str, str]] | None:
     )
     problems = []
     for name, text in sizes.check_sizes(values, model):
-        if name is None:  # the whole model: reported under the flag that shapes it most, the hidden size
-            shape = ", ".join(said(n) for n in ("layers", "hidden", "vocab"))
-            problems.append(("hidden", f"with {shape}, {text}; train a smaller model."))
-        else:
-            problems.append((name, f"{said(name)} {text}."))
+        problems.append((name, f"{said(name)} {text}."))
     return problems or None
 
 
@@ -183,10 +179,12 @@ def _hf_config_file(v: dict[str, Any], said) -> list[tuple[str, str]] | None:
     """--model-config: a config.json the torch-free reader accepts, with positions for --seq-len."""
     if v["model_config"] is None:
         return None
-    from hfsdp.models.hf_config import HFModelError, read_hf_config
+    from hfsdp.models.hf_config import HFConfigUnreadable, HFModelError, read_hf_config
 
     try:
         data = read_hf_config(v["model_config"])
+    except HFConfigUnreadable:
+        return None  # a path that cannot be used: the pre-launch checks report it (exit 2), as for --load
     except HFModelError as err:
         return [("model_config", str(err))]
     longest = data.get("max_position_embeddings")

@@ -66,22 +66,27 @@ class HFModelError(ValueError):
     """A config.json that cannot be turned into a causal language model hfsdp can shard."""
 
 
+class HFConfigUnreadable(HFModelError):
+    """The file itself cannot be used (missing, not a regular file, too large, unreadable, not JSON): a path problem,
+    which the commands report as such (exit 2), apart from a config whose values are wrong (exit 1)."""
+
+
 def read_json_file(file: Path, what: str, listed_by: Path | None = None) -> Any:
     """The JSON in `file` (a regular file, at most MAX_JSON_BYTES, plain finite JSON), or HFModelError."""
     check_regular(file, what, listed_by)
     if os.stat(file).st_size > MAX_JSON_BYTES:  # refused without reading it; the capped read below is the guard
-        raise HFModelError(f"{file} is larger than {MAX_JSON_BYTES} bytes, far beyond any {what}.")
+        raise HFConfigUnreadable(f"{file} is larger than {MAX_JSON_BYTES} bytes, far beyond any {what}.")
     try:
         with open(file, "rb") as f:
             raw = f.read(MAX_JSON_BYTES + 1)
     except OSError as err:
-        raise HFModelError(f"Cannot read {file} ({err.strerror or err}); check the path and rights.") from None
+        raise HFConfigUnreadable(f"Cannot read {file} ({err.strerror or err}); check the path and rights.") from None
     if len(raw) > MAX_JSON_BYTES:
-        raise HFModelError(f"{file} is larger than {MAX_JSON_BYTES} bytes, far beyond any {what}.")
+        raise HFConfigUnreadable(f"{file} is larger than {MAX_JSON_BYTES} bytes, far beyond any {what}.")
     try:
         return loads(raw, MAX_DEPTH)
     except JsonError as err:
-        raise HFModelError(f"{file} cannot be read as the {what}: {err}.") from None
+        raise HFConfigUnreadable(f"{file} cannot be read as the {what}: {err}.") from None
 
 
 def check_regular(file: Path, what: str, listed_by: Path | None = None) -> None:
@@ -90,11 +95,11 @@ def check_regular(file: Path, what: str, listed_by: Path | None = None) -> None:
         mode = os.stat(file).st_mode
     except FileNotFoundError:
         by = f", which {listed_by} lists," if listed_by is not None else ""
-        raise HFModelError(f"The {what} {file}{by} is missing (or a dangling link).") from None
+        raise HFConfigUnreadable(f"The {what} {file}{by} is missing (or a dangling link).") from None
     except OSError as err:
-        raise HFModelError(f"Cannot look at {file} ({err.strerror or err}); check the path and rights.") from None
+        raise HFConfigUnreadable(f"Cannot look at {file} ({err.strerror or err}); check the path and rights.") from None
     if not stat.S_ISREG(mode):
-        raise HFModelError(f"The {what} {file} is not a regular file (a directory, FIFO or device).")
+        raise HFConfigUnreadable(f"The {what} {file} is not a regular file (a directory, FIFO or device).")
 
 
 def config_file(path: str | Path) -> Path:
@@ -142,7 +147,7 @@ def config_problems(data: object, source: str) -> list[str]:
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
             problems.append((key, "must be a positive number"))
-    return [f"{said(key)} {wrong}" if key is not None else f"{source}: {wrong}" for key, wrong in problems]
+    return [f"{said(key)} {wrong}" for key, wrong in problems]
 
 
 def _relations(data: dict[str, Any], good: dict[str, int]) -> list[tuple[str, str]]:

@@ -8,11 +8,11 @@ what the run would have needed. The bounds sit far above every published model (
 largest public dense models have a vocabulary of 262,144, a hidden size of 16,384,
 126 layers and 128 heads), so no real run meets them; they are what docs/cli.md lists.
 
-The whole model is bounded too: every rank builds the model whole, in fp32, before
-sharding it, so its parameters times 4 bytes must fit on every rank.
-`check_model(..., memory_per_rank=...)` also compares that figure with a machine's
-memory when one is given, the hook for a planner that knows the machine. Nothing here
-imports torch or transformers: `validate-config` and the planner call it for free.
+The whole model is not bounded here: a 70B or 405B model is a valid config to plan, to
+import and to describe. What limits it is the machine (`hfsdp train` builds the model
+whole in fp32 on every rank before sharding it, and checks that the machine can, before
+launch: `hfsdp.cli.memory_check`). Nothing here imports torch or transformers:
+`validate-config` and the planner call it for free.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ LIMITS: dict[str, tuple[int, int, str]] = {
     "experts": (1, 1024, "number of experts"),
     "seq_len": (1, 1 << 20, "sequence length"),
 }
-#: Parameters of the whole model: every rank builds it whole in fp32 (4 bytes each) before sharding.
-MAX_PARAMETERS = 1 << 36
 #: Tokens of one global batch: every rank draws the whole batch (int64 tokens and labels) before taking its share.
 MAX_BATCH_TOKENS = 1 << 27
 #: Tokens of one microbatch on one rank: the activations of one forward.
@@ -78,37 +76,19 @@ def limit_problem(kind: str, value: object) -> str | None:
     return None
 
 
-def check_model(sizes: ModelSizes, memory_per_rank: int | None = None) -> str | None:
-    """What is wrong with a model of these (individually valid) sizes as a whole, or None.
-
-    The sentence starts "the model would hold ...", so any caller can prefix where the sizes came from.
-    `memory_per_rank`, when given, is the memory one rank has for building the model (a planner's figure).
-    """
-    params = sizes.parameters()
-    need = f"the model would hold {params:,} parameters, {_bytes(4 * params)} in fp32 on every rank while it is built"
-    if params > MAX_PARAMETERS:
-        return f"{need} (each rank builds the whole model before sharding it), above the bound of {MAX_PARAMETERS:,}"
-    if memory_per_rank is not None and 4 * params > memory_per_rank:
-        return f"{need}, more than the {_bytes(memory_per_rank)} a rank has here"
-    return None
-
-
 def check_sizes(
     values: Mapping[str, tuple[str, object]], model: ModelSizes | None = None
 ) -> list[tuple[str | None, str]]:
     """(name, what is wrong) for each size outside its bound: `values` maps the caller's name of a size (a flag, a
     config key) to (its kind, its value). A size too large also says what `model` (built from the same values, when
-    they are whole numbers) would hold. With every size within bounds, the whole `model` is checked: (None, ...)."""
+    they are whole numbers) would hold."""
     problems: list[tuple[str | None, str]] = []
     for name, (kind, value) in values.items():
         wrong = limit_problem(kind, value)
         if wrong:
             problems.append((name, wrong))
-    if model is None:
+    if model is None or not problems:
         return problems
-    if not problems:
-        whole = check_model(model)
-        return [(None, whole)] if whole else []
     params = model.parameters()
     need = f" (the model would hold {params:,} parameters, {_bytes(4 * params)} in fp32 on every rank)"
     return [(name, wrong + need if "is above" in wrong else wrong) for name, wrong in problems]
