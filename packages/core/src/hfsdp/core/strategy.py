@@ -1,9 +1,15 @@
-"""The four sharding strategies: the vocabulary every layout is spelled in.
+"""The strategies: the vocabulary every layout is spelled in.
 
-A strategy says what one mesh axis shards. The names are Megatron's
-(`data_parallel_sharding_strategy`), so configs move between the two unchanged.
-The strategies are ordered by how much they shard; that order is what the
-outer-versus-inner rule in `config.py` compares.
+A strategy says what one mesh axis does to the model's state. The four sharding
+strategies are Megatron's (`data_parallel_sharding_strategy`), so configs move
+between the two unchanged; they are ordered by how much they shard, and that
+order is what the outer-versus-inner rule in `config.py` compares.
+
+`diloco` is an outer strategy only: along its axis every instance trains apart
+(its own weights, gradients and inner optimizer state, no per-step collective)
+and the instances meet every H steps in an outer step, whose state the axis
+shards (DiLoCo, arXiv 2311.08105). It shards none of the inner kinds of state
+(level 0), so it goes over any inner strategy.
 """
 
 from __future__ import annotations
@@ -13,17 +19,29 @@ from enum import StrEnum
 
 
 class Strategy(StrEnum):
-    """What one data-parallel mesh axis shards, in increasing order."""
+    """What one data-parallel mesh axis does: the four sharding strategies in increasing order, then DiLoCo."""
 
     NO_SHARD = "no_shard"
     OPTIM = "optim"
     OPTIM_GRADS = "optim_grads"
     OPTIM_GRADS_PARAMS = "optim_grads_params"
+    DILOCO = "diloco"
 
     @property
     def level(self) -> int:
-        """0 for no_shard up to 3 for optim_grads_params."""
-        return _ORDER.index(self)
+        """How much of (param, grad, optim) the axis shards: 0 for no_shard up to 3 for optim_grads_params; 0 for
+        diloco, whose instances each hold their own whole copy."""
+        return 0 if self is Strategy.DILOCO else _ORDER.index(self)
+
+    @property
+    def outer_only(self) -> bool:
+        """Whether the strategy exists only across instances (diloco): an instance's own ranks cannot train apart."""
+        return self is Strategy.DILOCO
+
+    @classmethod
+    def sharding(cls) -> tuple[Strategy, ...]:
+        """The four sharding strategies, no_shard to optim_grads_params: what an inner axis may take."""
+        return _ORDER
 
     @property
     def shards_optim(self) -> bool:
@@ -40,6 +58,8 @@ class Strategy(StrEnum):
     @property
     def zero_name(self) -> str:
         """The name a DeepSpeed or Megatron user knows this strategy by."""
+        if self is Strategy.DILOCO:
+            return "DiLoCo"
         return ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")[self.level]
 
     @classmethod
@@ -67,4 +87,4 @@ class Strategy(StrEnum):
         return self.value
 
 
-_ORDER = tuple(Strategy)
+_ORDER = tuple(s for s in Strategy if s is not Strategy.DILOCO)
