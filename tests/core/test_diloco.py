@@ -137,12 +137,15 @@ def _views_and_sync(rank, world):
     before = main.clone()
     sharded.sync_outer()
     after = sharding.sharded_buffers()[0]["main"].full_tensor()
+    sharded.sync_outer()  # every fragment is synced since the last step: nothing to do (no momentum step either)
+    again = torch.equal(sharding.sharded_buffers()[0]["main"].full_tensor(), after)
     every = [None] * world
     dist.all_gather_object(every, (before, after))
     return {
         "mesh": tuple(views["main"].device_mesh.mesh_dim_names),
         "own": own,
         "every": every,
+        "again": again,
     }
 
 
@@ -452,13 +455,14 @@ def test_experts_train_apart_on_their_own_outer_axis_like_dense_weights(world4):
 
 def test_views_are_per_instance_and_sync_outer_makes_the_instances_agree(world4):
     """Between outer steps a DTensor view lives on the instance's own mesh (dp_shard) and reassembles its weights;
-    sync_outer() leaves every instance with the same weights."""
+    sync_outer() leaves every instance with the same weights, and a second call changes nothing."""
     views = [r["views"] for r in world4]
     assert all(v["mesh"] == ("dp_shard",) and v["own"] for v in views)
     before = [v["every"][rank][0] for rank, v in enumerate(views)]
     after = [v["every"][rank][1] for rank, v in enumerate(views)]
     assert not torch.equal(before[0], before[2])  # instances 0 and 1 differ mid-cycle
     assert all(torch.equal(a, after[0]) for a in after)
+    assert all(v["again"] for v in views)
 
 
 def test_fully_shard_refuses_diloco_misuse(world4):

@@ -86,7 +86,8 @@ class OuterSync:
 
     def __init__(self, config: DiLoCoConfig, groups: list[FlatParamGroup], units: int):
         self.config = config
-        self.steps = 0  # inner optimizer steps done: where each fragment is in its cycle
+        self._steps = 0  # inner optimizer steps done: where each fragment is in its cycle
+        self.synced_at = [0] * config.fragments  # the step count at each fragment's last outer step
         fragment_of_unit = fragments(_unit_sizes(groups, units), config.fragments)
         self.states: list[GroupOuter] = []
         for group in groups:
@@ -108,16 +109,31 @@ class OuterSync:
 
     # -- the schedule ------------------------------------------------------------------------------
 
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        """Set the optimizer steps done (a resume): each fragment's last outer step is its last scheduled one."""
+        self._steps = value
+        h = self.config.sync_every
+        self.synced_at = [max(0, value - (value - self.config.offset(f)) % h) for f in range(self.config.fragments)]
+
     def inner_step_done(self) -> list[FlatParamGroup]:
         """Count one inner optimizer step; run the outer step of the fragments now due (collective). Returns the
         groups whose main weights it rewrote (the caller republishes them)."""
-        self.steps += 1
-        return self.sync(self.config.due(self.steps))
+        self._steps += 1
+        return self.sync(self.config.due(self._steps))
 
     def sync(self, due: list[int] | None = None) -> list[FlatParamGroup]:
-        """The outer step of fragments `due` (all when None), in group order on every rank (collective)."""
-        wanted = set(range(self.config.fragments)) if due is None else set(due)
-        states = [s for s in self.states if s.fragment in wanted]
+        """The outer step of fragments `due` (when None: every fragment not synced since the last inner step), in
+        group order on every rank (collective)."""
+        if due is None:
+            due = [f for f in range(self.config.fragments) if self.synced_at[f] != self._steps]
+        for fragment in due:
+            self.synced_at[fragment] = self._steps
+        states = [s for s in self.states if s.fragment in set(due)]
         if not states:
             return []
         with torch.no_grad():

@@ -247,8 +247,9 @@ class Sharding:
         return [g for g in self.groups if id(g) in ids]
 
     def sync_outer(self) -> None:
-        """Run the outer step of every fragment now and republish (collective): the global weights everywhere, e.g.
-        before evaluating or exporting the model at the end of a run. The schedule is unchanged."""
+        """Run the outer step of every fragment not synced since the last optimizer step and republish (collective):
+        the global weights everywhere, e.g. before evaluating or exporting the model at the end of a run. The
+        schedule is unchanged, and a second call does nothing."""
         if self.outer is None:
             raise RuntimeError(
                 "sync_outer() needs a DiLoCo layout (outer strategy 'diloco' and fully_shard(..., diloco=...)); "
