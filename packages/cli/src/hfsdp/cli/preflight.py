@@ -154,6 +154,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
         )
         return Plan()
     step = int(index.extra.get("step", index.step))
+    _same_optimizer(cfg, index, ckpt_dir, problems)
     recorded = index.extra.get(MODEL_KEY)
     saved = dict(recorded) if isinstance(recorded, dict) else _shapes_from_index(index)
     if index.model is not None and index.model["format"] == "transformers":  # an import, or a save of an HF model
@@ -199,6 +200,26 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
     return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
 
 
+#: --optimizer -> the torch class a checkpoint records.
+OPTIMIZER_CLASSES = {"adam": "AdamW", "sgd": "SGD"}
+
+
+def _same_optimizer(cfg: TrainConfig, index, ckpt_dir: Path, problems: list[Problem]) -> None:
+    """A resumed optimizer state belongs to the class that saved it (a weights-only checkpoint has none)."""
+    saved = index.optimizer["type"] if index.optimizer else None
+    wanted = OPTIMIZER_CLASSES[cfg.optimizer]
+    if saved is not None and saved != wanted:
+        theirs = next((k for k, v in OPTIMIZER_CLASSES.items() if v == saved), None)
+        fix = f"pass --optimizer {theirs} to resume it" if theirs else "resume it with the optimizer that saved it"
+        problems.append(
+            Problem(
+                "--optimizer",
+                f"the checkpoint {ckpt_dir} holds {saved} state, but --optimizer {cfg.optimizer} builds {wanted}; "
+                f"{fix}, or start without --load.",
+            )
+        )
+
+
 def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
     """--model-config: a config.json transformers builds into a causal LM with decoder layers, long enough for
     --seq-len, without experts hfsdp would not find."""
@@ -210,6 +231,17 @@ def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
     except hf.HFModelError as err:
         problems.append(Problem("--model-config", f"--model-config {cfg.model_config}: {err}"))
         return
+    layers = getattr(config, "num_hidden_layers", None)
+    diloco = cfg.diloco
+    if diloco is not None and isinstance(layers, int) and diloco.fragments > layers + 1:
+        problems.append(
+            Problem(
+                "--sync-fragments",
+                f"--sync-fragments {diloco.fragments} is more than the {layers + 1} units of {cfg.model_config} (its "
+                f"{layers} decoder layers and the root): each fragment is a run of whole units; use at most "
+                f"{layers + 1}.",
+            )
+        )
     longest = getattr(config, "max_position_embeddings", None)
     if isinstance(longest, int) and cfg.seq_len > longest:
         problems.append(

@@ -18,17 +18,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfsdp.core.config import MEGATRON_NAMES
+from hfsdp.core.outer_config import COMM_DTYPES, CONFIG_KEYS
 from hfsdp.core.strategy import Strategy
 
 #: A per-value rule: None when `value` is fine, else what it must be ("must be a positive whole number ...").
 Check = Callable[[Any], str | None]
 
 STRATEGIES = ", ".join(Strategy.names())
+INNER_STRATEGIES = ", ".join(s.value for s in Strategy.sharding())
 DTYPES = ("fp32", "bf16")  # what the trainer runs; fp16 would need loss scaling, which it does not do
 DEVICES = ("auto", "cpu", "cuda")
 NORMS = ("LayerNorm", "RMSNorm")
 DECAY_STYLES = ("constant", "linear", "cosine")
 OFFLOADS = ("none", "optim")
+OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer: adam is AdamW (decoupled weight decay), as in Megatron
+#: DiLoCo's settings (`--outer diloco`), by TrainConfig name -> DiLoCoConfig field.
+DILOCO_SETTINGS = {
+    "sync_every": "sync_every",
+    "outer_lr": "lr",
+    "outer_momentum": "momentum",
+    "outer_nesterov": "nesterov",
+    "outer_comm_dtype": "comm_dtype",
+    "sync_fragments": "fragments",
+}
 #: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
 GPT_SETTINGS = ("layers", "hidden", "heads", "vocab", "normalization", "swiglu", "num_query_groups", "num_moe_experts")
 #: One megatron-core seed offset is added to the seed; keep the sum a valid 32-bit seed.
@@ -65,6 +77,10 @@ def positive_number(value: object) -> str | None:
 
 def non_negative_number(value: object) -> str | None:
     return None if _is_number(value) and value >= 0 else "must be a number >= 0 such as 0, 0.01 or 1.0"
+
+
+def unit_interval(value: object) -> str | None:
+    return None if _is_number(value) and 0 <= value < 1 else "must be a number in [0, 1) such as 0.9"
 
 
 def one_of(*choices: str) -> Check:
@@ -116,6 +132,12 @@ def _output(name: str, flag: str, default: Any, type_: type, help_text: str, che
     return Setting(name, flag, default, type_, help_text, check, panel=panel, default_text=shown)
 
 
+def _diloco(name: str, default: Any, type_: type, help_text: str, check: Check, **kw) -> Setting:
+    """A DiLoCo setting: its flag and its key in the config file's `diloco` section are core's `CONFIG_KEYS`."""
+    key, flag = CONFIG_KEYS[DILOCO_SETTINGS[name]]
+    return Setting(name, flag, default, type_, help_text, check, key=key, panel="DiLoCo", **kw)
+
+
 SETTINGS: tuple[Setting, ...] = (
     # The layout. world_size comes from --nproc, the file or torchrun (train_config._world), never a flag of its own.
     _layout("world_size", None, None, int, "Ranks in the whole job.", default_text="--nproc"),
@@ -127,10 +149,15 @@ SETTINGS: tuple[Setting, ...] = (
         "--inner",
         "optim_grads_params",
         str,
-        f"Sharding inside an instance (data_parallel_sharding_strategy): {STRATEGIES}.",
+        f"Sharding inside an instance (data_parallel_sharding_strategy): {INNER_STRATEGIES}.",
     ),
     _layout(
-        "outer", "--outer", "no_shard", str, f"Sharding across instances (outer_dp_sharding_strategy): {STRATEGIES}."
+        "outer",
+        "--outer",
+        "no_shard",
+        str,
+        f"Sharding across instances (outer_dp_sharding_strategy): {STRATEGIES} (diloco: the instances train apart "
+        "and meet every --sync-every steps).",
     ),
     _layout("instances", "--instances", 1, int, "Number of instances (num_distributed_optimizer_instances)."),
     _layout("ep", "--ep", 1, int, "Expert-parallel size."),
@@ -254,11 +281,29 @@ SETTINGS: tuple[Setting, ...] = (
         key="train.train_iters",
     ),
     Setting(
+        "optimizer",
+        "--optimizer",
+        "adam",
+        str,
+        f"The (inner) optimizer, Megatron's choice: {', '.join(OPTIMIZERS)} (adam: AdamW, fused).",
+        one_of(*OPTIMIZERS),
+        key="train.optimizer",
+    ),
+    Setting(
+        "sgd_momentum",
+        "--sgd-momentum",
+        0.9,
+        float,
+        "Momentum of --optimizer sgd (0: plain SGD).",
+        unit_interval,
+        key="train.sgd_momentum",
+    ),
+    Setting(
         "lr",
         "--lr",
         3e-3,
         float,
-        "AdamW learning rate; when set, wins over a resumed checkpoint's.",
+        "Learning rate of the (inner) optimizer; when set, wins over a resumed checkpoint's.",
         positive_number,
         key="train.lr",
     ),
@@ -304,7 +349,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--weight-decay",
         0.01,
         float,
-        "AdamW weight decay; when set, wins over a resumed checkpoint's.",
+        "Weight decay of the (inner) optimizer; when set, wins over a resumed checkpoint's.",
         non_negative_number,
         key="train.weight_decay",
     ),
@@ -318,6 +363,32 @@ SETTINGS: tuple[Setting, ...] = (
         key="train.clip_grad",
     ),
     Setting("seed", "--seed", 0, int, "Seed of the model's initialisation.", seed, key="train.seed"),
+    # DiLoCo (--outer diloco): the outer step every --sync-every steps.
+    _diloco(
+        "sync_every",
+        None,
+        int,
+        "DiLoCo: optimizer steps between two outer steps of a fragment (H); required with --outer diloco.",
+        positive_int,
+        default_text="none (set it)",
+    ),
+    _diloco("outer_lr", 0.7, float, "DiLoCo: learning rate of the outer SGD.", positive_number),
+    _diloco("outer_momentum", 0.9, float, "DiLoCo: momentum of the outer SGD (0: none).", unit_interval),
+    _diloco("outer_nesterov", True, bool, "DiLoCo: Nesterov momentum in the outer SGD.", boolean),
+    _diloco(
+        "outer_comm_dtype",
+        "fp32",
+        str,
+        f"DiLoCo: what the outer exchange sends: {', '.join(COMM_DTYPES)} (int8: one fp32 scale per 128 values).",
+        one_of(*COMM_DTYPES),
+    ),
+    _diloco(
+        "sync_fragments",
+        1,
+        int,
+        "DiLoCo: fragments of units synced at staggered steps (Streaming DiLoCo): each exchange carries 1/F.",
+        positive_int,
+    ),
     Setting(
         "dtype",
         "--dtype",

@@ -19,7 +19,7 @@ from typing import Any
 from hfsdp.cli.config_file import FileValues, read_config_file
 from hfsdp.cli.report import shown
 from hfsdp.cli.rules import RULES
-from hfsdp.cli.settings import BY_NAME, SETTINGS
+from hfsdp.cli.settings import BY_NAME, DILOCO_SETTINGS, SETTINGS
 from hfsdp.core.config import ConfigError, LayoutConfig, Problem
 
 FLAG, FILE, DEFAULT, ENV = "flag", "file", "default", "env"
@@ -72,6 +72,15 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.layout.global_batch_size * self.values["seq_len"]
 
+    @property
+    def diloco(self):
+        """The DiLoCo settings (`hfsdp.core.DiLoCoConfig`) of an `--outer diloco` run, else None."""
+        if self.layout.outer.value != "diloco":
+            return None
+        from hfsdp.core.outer_config import DiLoCoConfig
+
+        return DiLoCoConfig(**{field: self.values[name] for name, field in DILOCO_SETTINGS.items()})
+
 
 class _Quote:
     """What a rule gets to quote settings: `quote(name)` as the user wrote it, `quote.explicit(name)`."""
@@ -84,6 +93,10 @@ class _Quote:
 
     def explicit(self, name: str) -> bool:
         return self.given[name].source in (FLAG, FILE)
+
+    def name(self, name: str) -> str:
+        """How the user spells the setting, without its value: '--sync-every' or 'diloco.sync_every'."""
+        return self.given[name].spelled
 
 
 def gather(flags: Mapping[str, Any], file: FileValues | None, world: Given | None) -> dict[str, Given]:
@@ -131,9 +144,13 @@ def resolve(
         good.add(s.name)
 
     layout = _layout(given, problems, good, values, world_flag)
+    # Rules may name layout settings too (DiLoCo's need `outer`): with the layout valid, as LayoutConfig made them.
+    known = dict(values)
+    if layout is not None:
+        known.update({s.name: _plain(getattr(layout, s.name)) for s in SETTINGS if s.layout})
     for rule in RULES:
-        if all(name in good for name in rule.names):
-            message = rule.check({n: values[n] for n in rule.names}, _Quote(given))
+        if all(name in good or (layout is not None and BY_NAME[name].layout) for name in rule.names):
+            message = rule.check({n: known[n] for n in rule.names}, _Quote(given))
             if message:
                 problems.append(Problem(given[rule.names[0]].spelled, message))
     if problems or layout is None:
@@ -199,6 +216,11 @@ def _default_global_batch(kwargs: Mapping[str, Any]) -> int | None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain(value: Any) -> Any:
+    """A layout field as rules read it: a strategy by its name."""
+    return value.value if hasattr(value, "value") else value
 
 
 # The two entry points ----------------------------------------------------------------------------
