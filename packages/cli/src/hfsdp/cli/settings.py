@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from hfsdp.core.config import MEGATRON_NAMES
-from hfsdp.core.outer_config import COMM_DTYPES, CONFIG_KEYS
+from hfsdp.core.outer_config import COMM_DTYPES, CONFIG_KEYS, DiLoCoConfig
 from hfsdp.core.strategy import Strategy
 
 #: A per-value rule: None when `value` is fine, else what it must be ("must be a positive whole number ...").
@@ -32,15 +32,8 @@ NORMS = ("LayerNorm", "RMSNorm")
 DECAY_STYLES = ("constant", "linear", "cosine")
 OFFLOADS = ("none", "optim")
 OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer: adam is AdamW (decoupled weight decay), as in Megatron
-#: DiLoCo's settings (`--outer diloco`), by TrainConfig name -> DiLoCoConfig field.
-DILOCO_SETTINGS = {
-    "sync_every": "sync_every",
-    "outer_lr": "lr",
-    "outer_momentum": "momentum",
-    "outer_nesterov": "nesterov",
-    "outer_comm_dtype": "comm_dtype",
-    "sync_fragments": "fragments",
-}
+#: DiLoCo's settings (`--outer diloco`), by TrainConfig name (the flag's) -> DiLoCoConfig field.
+DILOCO_SETTINGS = {flag[2:].replace("-", "_"): field for field, (_, flag) in CONFIG_KEYS.items()}
 #: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
 GPT_SETTINGS = ("layers", "hidden", "heads", "vocab", "normalization", "swiglu", "num_query_groups", "num_moe_experts")
 #: One megatron-core seed offset is added to the seed; keep the sum a valid 32-bit seed.
@@ -132,10 +125,25 @@ def _output(name: str, flag: str, default: Any, type_: type, help_text: str, che
     return Setting(name, flag, default, type_, help_text, check, panel=panel, default_text=shown)
 
 
-def _diloco(name: str, default: Any, type_: type, help_text: str, check: Check, **kw) -> Setting:
-    """A DiLoCo setting: its flag and its key in the config file's `diloco` section are core's `CONFIG_KEYS`."""
-    key, flag = CONFIG_KEYS[DILOCO_SETTINGS[name]]
-    return Setting(name, flag, default, type_, help_text, check, key=key, panel="DiLoCo", **kw)
+def _diloco_settings() -> tuple[Setting, ...]:
+    """DiLoCo's settings: flags, `diloco.*` keys and defaults are core's `DiLoCoConfig`'s (H has none: set it)."""
+    defaults = {f.name: None if f.default is MISSING else f.default for f in fields(DiLoCoConfig)}
+    about = {
+        "sync_every": (int, "optimizer steps between two outer steps of a fragment (H); required.", positive_int),
+        "lr": (float, "learning rate of the outer SGD.", positive_number),
+        "momentum": (float, "momentum of the outer SGD (0: none).", unit_interval),
+        "nesterov": (bool, "Nesterov momentum in the outer SGD.", boolean),
+        "comm_dtype": (str, f"what the exchange sends: {', '.join(COMM_DTYPES)}.", one_of(*COMM_DTYPES)),
+        "fragments": (int, "units cut into F groups synced at staggered steps (Streaming DiLoCo).", positive_int),
+    }
+    out = []
+    for name, field in DILOCO_SETTINGS.items():
+        type_, text, check = about[field]
+        key, flag = CONFIG_KEYS[field]
+        shown = "none (set it)" if defaults[field] is None else None
+        out.append(Setting(name, flag, defaults[field], type_, f"DiLoCo: {text}", check, key=key, panel="DiLoCo",
+                           default_text=shown))  # fmt: skip
+    return tuple(out)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -363,32 +371,7 @@ SETTINGS: tuple[Setting, ...] = (
         key="train.clip_grad",
     ),
     Setting("seed", "--seed", 0, int, "Seed of the model's initialisation.", seed, key="train.seed"),
-    # DiLoCo (--outer diloco): the outer step every --sync-every steps.
-    _diloco(
-        "sync_every",
-        None,
-        int,
-        "DiLoCo: optimizer steps between two outer steps of a fragment (H); required with --outer diloco.",
-        positive_int,
-        default_text="none (set it)",
-    ),
-    _diloco("outer_lr", 0.7, float, "DiLoCo: learning rate of the outer SGD.", positive_number),
-    _diloco("outer_momentum", 0.9, float, "DiLoCo: momentum of the outer SGD (0: none).", unit_interval),
-    _diloco("outer_nesterov", True, bool, "DiLoCo: Nesterov momentum in the outer SGD.", boolean),
-    _diloco(
-        "outer_comm_dtype",
-        "fp32",
-        str,
-        f"DiLoCo: what the outer exchange sends: {', '.join(COMM_DTYPES)} (int8: one fp32 scale per 128 values).",
-        one_of(*COMM_DTYPES),
-    ),
-    _diloco(
-        "sync_fragments",
-        1,
-        int,
-        "DiLoCo: fragments of units synced at staggered steps (Streaming DiLoCo): each exchange carries 1/F.",
-        positive_int,
-    ),
+    *_diloco_settings(),  # --outer diloco: the outer step every --sync-every steps
     Setting(
         "dtype",
         "--dtype",
