@@ -155,6 +155,8 @@ def reshard(
     index = _guarded("reshard", lambda: read_index(resolve(src)))
     given = {"instances": instances, "outer": outer, "inner": inner, "ep": ep, "expert_strategy": expert_strategy}
     fields = {**index.layout, "world_size": world_size, **{k: v for k, v in given.items() if v is not None}}
+    if fields.get("expert_outer") == "diloco" and instances is not None:
+        fields["expert_instances"] = instances  # DiLoCo's experts train apart over the dense instances
     try:
         target = LayoutConfig(**fields)
     except ConfigError as err:
