@@ -364,7 +364,7 @@ DAMAGE = {
     "rng that is a number": (edited(lambda d: d.update(rng=0), "rng"), "object", True),
     "extra.step that is no step": (edited(lambda d: d["extra"].update(step="abc"), "extra.step"), "whole number", True),
     "unknown top-level field": (edited(lambda d: d.update(surprise=1), "surprise"), "does not define", True),
-    "future format version": (edited(lambda d: d.update(version=4), "version"), "reads format versions", True),
+    "future format version": (edited(lambda d: d.update(version=5), "version"), "reads format versions", True),
     "not an hfsdp index": (edited(lambda d: d.update(format="other"), "format"), "not an hfsdp", True),
     "garbage index": (raw_index(b"{", b"{not json"), "cannot be read", True),
     "unknown checksum algorithm": (

@@ -299,7 +299,7 @@ REFUSED = {
     "a vocabulary above the bound in a large model": (
         {"hidden": 65536, "vocab": 5_000_000},
         "--vocab",
-        "parameters, 2.6 TB in fp32",
+        "parameters, 3.0 TB in fp32",
     ),
 }
 
@@ -360,8 +360,8 @@ def test_messages_name_the_flag_once_and_leak_no_python_types():
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()[1:]
     assert sorted(lines) == sorted([
-        "  - --outer is 'optm', which is not allowed: 'optm' is not a sharding strategy. Did you mean 'optim'? Use one "
-        "of no_shard, optim, optim_grads, optim_grads_params.",
+        "  - --outer is 'optm', which is not allowed: 'optm' is not a strategy. Did you mean 'optim'? Use one "
+        "of no_shard, optim, optim_grads, optim_grads_params, diloco.",
         "  - --dtype must be one of fp32, bf16; got 'fp16'.",
         "  - --nproc must be a positive integer, got 0; write a whole number such as 1, 2 or 8.",
         "  - --lr-decay-style must be one of constant, linear, cosine (did you mean cosine?); got 'cosin'.",

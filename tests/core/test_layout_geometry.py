@@ -24,7 +24,7 @@ from hfsdp.core.placement import State
 from hfsdp.core.strategy import Strategy
 
 MESHES = [(2, 4), (4, 2), (3, 2), (2, 3), (4, 8), (16, 8)]
-PAIRS = [(o, i) for o, i in itertools.product(Strategy, Strategy) if o.level <= i.level]
+PAIRS = [(o, i) for o, i in itertools.product(Strategy.sharding(), Strategy.sharding()) if o.level <= i.level]
 NUMEL = 1001  # odd, so every mesh pads
 
 

@@ -9,19 +9,20 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hfsdp.core.config import ConfigError, LayoutConfig
 from hfsdp.core.layout import dense_layout, expert_layout
-from hfsdp.core.placement import PLACEMENT_TABLE, AxisPlacements, State, compose, describe, is_shard
+from hfsdp.core.placement import PLACEMENT_TABLE, AxisPlacements, Independent, State, compose, describe, is_shard
 from hfsdp.core.strategy import Strategy
 
 S = Strategy
-ALL = list(Strategy)
+ALL = list(Strategy.sharding())  # diloco's row is tested in test_diloco.py
 R, P, S0 = Replicate(), Partial(), Shard(0)
 
-#: What one axis of each strategy does to (param, grad, optim), written out by hand from docs/formulas.md.
+#: What one axis of each strategy does to (param, grad, optim, outer), written out by hand from docs/formulas.md.
 EXPECTED_AXIS = {
-    S.NO_SHARD: (R, P, R),
-    S.OPTIM: (R, P, S0),
-    S.OPTIM_GRADS: (R, S0, S0),
-    S.OPTIM_GRADS_PARAMS: (S0, S0, S0),
+    S.NO_SHARD: (R, P, R, R),
+    S.OPTIM: (R, P, S0, S0),
+    S.OPTIM_GRADS: (R, S0, S0, S0),
+    S.OPTIM_GRADS_PARAMS: (S0, S0, S0, S0),
+    S.DILOCO: (Independent(), Independent(), Independent(), S0),
 }
 
 
@@ -32,17 +33,17 @@ def hybrid(outer: Strategy, inner: Strategy, world_size: int = 4, instances: int
 # The table ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", list(Strategy))
 def test_placement_table_row(strategy):
-    """Each strategy's row places param, grad and optimizer state as docs/formulas.md says."""
+    """Each strategy's row places param, grad, optimizer and outer state as docs/formulas.md says."""
     row = PLACEMENT_TABLE[strategy]
     assert isinstance(row, AxisPlacements)
-    assert (row.param, row.grad, row.optim) == EXPECTED_AXIS[strategy]
+    assert (row.param, row.grad, row.optim, row.outer) == EXPECTED_AXIS[strategy]
     assert tuple(row.of(s) for s in State) == EXPECTED_AXIS[strategy]
 
 
 def test_table_covers_exactly_the_four_strategies():
-    """There is one row per strategy and no other."""
+    """There is one row per strategy (the four and diloco) and no other."""
     assert set(PLACEMENT_TABLE) == set(Strategy)
 
 

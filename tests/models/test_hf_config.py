@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hfsdp.cli.main import app
-from hfsdp.models.hf_config import MAX_JSON_BYTES, HFModelError, read_hf_config
+from hfsdp.models.hf_config import MAX_JSON_BYTES, HFConfigUnreadable, HFModelError, read_hf_config
 
 runner = CliRunner()
 LLAMA = {
@@ -83,9 +83,10 @@ def _keep_signal_handlers():
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_configs_are_refused_at_once_by_the_reader_train_and_import(tmp_path, case):
-    """The reader refuses each bad config.json in milliseconds; `hfsdp train --model-config` refuses it with exit 1
-    and `hfsdp ckpt import` with exit 2, in one line each holding the reader's own message, before any rank or
-    any weight; nothing is written."""
+    """The reader refuses each bad config.json in milliseconds; `hfsdp train --model-config` refuses it with exit 2
+    when the file itself cannot be used (a FIFO, too large, not plain JSON: a path problem) and exit 1 when a value
+    in it is wrong, and `hfsdp ckpt import` with exit 2, in one line each holding the reader's own message, before
+    any rank or any weight; nothing is written."""
     write, words = BAD[case]
     model = tmp_path / "model"
     model.mkdir()
@@ -98,7 +99,7 @@ def test_bad_configs_are_refused_at_once_by_the_reader_train_and_import(tmp_path
     assert words in message and str(model / "config.json") in message and "\n" not in message
 
     train = runner.invoke(app, ["train", "--model-config", str(model / "config.json"), "--device", "cpu"])
-    assert train.exit_code == 1, train.output
+    assert train.exit_code == (2 if isinstance(err.value, HFConfigUnreadable) else 1), train.output
     assert train.output == f"error: --model-config: {message}\n"
 
     imported = runner.invoke(app, ["ckpt", "import", str(model), str(tmp_path / "ck"), "--world-size", "2"])

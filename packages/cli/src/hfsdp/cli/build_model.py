@@ -56,7 +56,14 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     meshes = build_meshes(cfg.layout, device.type)
     # The loss is computed outside the model, on its logits: free the root's parameters while it peaks.
     sharded = fully_shard(
-        model, cfg.layout, meshes, units=units, mp=mp, offload=cfg.offload == "optim", reshard_root_after_forward=True
+        model,
+        cfg.layout,
+        meshes,
+        units=units,
+        mp=mp,
+        offload=cfg.offload == "optim",
+        reshard_root_after_forward=True,
+        diloco=cfg.diloco,
     )
     record = {"format": "transformers", "config": config.to_dict()}
     return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record)
@@ -86,5 +93,5 @@ def _megatron_gpt(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     reinit_by_global_name(model, expert_naming_for(layout), cfg.seed)
     model.to(device)
     _wrap_units(cfg, list(model.decoder.layers))
-    sharded = shard_megatron_model(model, layout, device.type, mp, offload=cfg.offload == "optim")
+    sharded = shard_megatron_model(model, layout, device.type, mp, offload=cfg.offload == "optim", diloco=cfg.diloco)
     return BuiltModel(sharded, lm_loss, cfg.vocab, {"format": "megatron-gpt", "config": shape.record()})

@@ -173,6 +173,8 @@ def reshard(
     index = _guarded("reshard", lambda: read_index(resolve(src)))
     given = {"instances": instances, "outer": outer, "inner": inner, "ep": ep, "expert_strategy": expert_strategy}
     fields = {**index.layout, "world_size": world_size, **{k: v for k, v in given.items() if v is not None}}
+    if fields.get("expert_outer") == "diloco" and instances is not None:
+        fields["expert_instances"] = instances  # DiLoCo's experts train apart over the dense instances
     try:
         target = LayoutConfig(**fields)
     except ConfigError as err:
@@ -352,6 +354,8 @@ def _print_inspect(info: dict[str, Any]) -> None:
     say(f"Model: {describe(info['model'])}")
     if layout.get("num_moe_experts"):
         say(f"Experts: {layout['num_moe_experts']}, ep {layout['ep']}")
+    if info.get("outer"):
+        say(_describe_outer(info["outer"], layout.get("instances", 1)))
     opt = info["optimizer"]
     if opt:
         steps = sorted({v for v in opt["scalars"].get("step", {}).get("values", {}).values()})
@@ -377,6 +381,17 @@ def _print_inspect(info: dict[str, Any]) -> None:
     say(f"{len(info['files'])} files, {info['total_bytes']:,} bytes:")
     for f in info["files"]:
         say(f"  {f['name']}  {f['bytes']:>12,}  {short(f['checksum'])}")
+
+
+def _describe_outer(outer: dict[str, Any], instances: int) -> str:
+    """DiLoCo's record in one line: the strategy and H, the outer optimizer, the exchange, the cycle position."""
+    h, fragments, done = outer["sync_every"], outer["fragments"], outer["inner_steps"]
+    nesterov = "Nesterov " if outer["nesterov"] and outer["momentum"] > 0 else ""
+    where = f"{done % h} of {h} steps into the cycle" if fragments == 1 else f"{done} steps done, {fragments} fragments"
+    return (
+        f"Outer: {outer['strategy']} over {instances} instances, sync every {h} steps (H={h}), {nesterov}SGD lr "
+        f"{outer['lr']:g} momentum {outer['momentum']:g}, exchange {outer['comm_dtype']}; {where}"
+    )
 
 
 @app.command()

@@ -156,6 +156,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
         )
         return Plan()
     step = int(index.extra.get("step", index.step))
+    _same_optimizer(cfg, index, ckpt_dir, problems)
     recorded = index.extra.get(MODEL_KEY)
     saved = dict(recorded) if isinstance(recorded, dict) else _shapes_from_index(index)
     if index.model is not None and index.model["format"] == "transformers":  # an import, or a save of an HF model
@@ -201,6 +202,26 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
     return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
 
 
+#: --optimizer -> the torch class a checkpoint records.
+OPTIMIZER_CLASSES = {"adam": "AdamW", "sgd": "SGD"}
+
+
+def _same_optimizer(cfg: TrainConfig, index, ckpt_dir: Path, problems: list[Problem]) -> None:
+    """A resumed optimizer state belongs to the class that saved it (a weights-only checkpoint has none)."""
+    saved = index.optimizer["type"] if index.optimizer else None
+    wanted = OPTIMIZER_CLASSES[cfg.optimizer]
+    if saved is not None and saved != wanted:
+        theirs = next((k for k, v in OPTIMIZER_CLASSES.items() if v == saved), None)
+        fix = f"pass --optimizer {theirs} to resume it" if theirs else "resume it with the optimizer that saved it"
+        problems.append(
+            Problem(
+                "--optimizer",
+                f"the checkpoint {ckpt_dir} holds {saved} state, but --optimizer {cfg.optimizer} builds {wanted}; "
+                f"{fix}, or start without --load.",
+            )
+        )
+
+
 def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
     """--model-config: a config transformers builds (on `meta`) into a causal LM with decoder layers, long enough for
     --seq-len with the architecture's defaults filled in. The file's own contents passed the rules already."""
@@ -214,6 +235,17 @@ def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
     except hf.HFModelError as err:
         problems.append(Problem(flag, str(err)))
         return
+    layers = getattr(config, "num_hidden_layers", None)
+    diloco = cfg.diloco
+    if diloco is not None and isinstance(layers, int) and diloco.fragments > layers + 1:
+        problems.append(
+            Problem(
+                "--sync-fragments",
+                f"--sync-fragments {diloco.fragments} is more than the {layers + 1} units of {cfg.model_config} (its "
+                f"{layers} decoder layers and the root): each fragment is a run of whole units; use at most "
+                f"{layers + 1}.",
+            )
+        )
     longest = getattr(config, "max_position_embeddings", None)
     if isinstance(longest, int) and cfg.seq_len > longest:
         seq_len = cfg.given["seq_len"].said() if "seq_len" in cfg.given else f"--seq-len {cfg.seq_len}"

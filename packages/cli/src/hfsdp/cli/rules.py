@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hfsdp.cli.settings import GPT_SETTINGS
+from hfsdp.cli.settings import DILOCO_SETTINGS, GPT_SETTINGS
 from hfsdp.models import sizes
 
 
@@ -24,9 +24,10 @@ class Rule:
     """A rule between settings, checked once each of `names` passed its own check.
 
     `check(values, said)` returns what is wrong or None; `said(name)` is how the user set a
-    setting ("--hidden 30", "model.moe_router_topk 2 (the default)") and `said.explicit(name)`
-    whether the user set it at all. The problem is reported under the first name, or, when `check`
-    returns a list of (name, message), each under its own.
+    setting ("--hidden 30", "model.moe_router_topk 2 (the default)"), `said.name(name)` its
+    spelling alone, and `said.explicit(name)` whether the user set it at all. The problem is
+    reported under the first name, or, when `check` returns a list of (name, message), each under
+    its own. A rule may name layout settings (`outer`), checked once the layout is valid.
     """
 
     names: tuple[str, ...]
@@ -200,7 +201,71 @@ def seq_len_beyond_positions(seq_len: str, longest: int, source: str) -> str:
     )
 
 
+def _only_with_diloco(name: str) -> Rule:
+    """A DiLoCo setting the user gave needs `--outer diloco`: otherwise it would be silently ignored."""
+
+    def check(v: dict[str, Any], said) -> str | None:
+        if v["outer"] != "diloco" and said.explicit(name):
+            return (
+                f"{said(name)} is a DiLoCo setting, but {said('outer')} reduces across instances every step; set "
+                f"{said.name('outer')} to diloco (with {said.name('instances')} > 1) to train the instances apart, "
+                "or drop it."
+            )
+        return None
+
+    return Rule((name, "outer", "instances"), check)
+
+
+def _diloco_needs_sync_every(v: dict[str, Any], said) -> str | None:
+    if v["outer"] == "diloco" and v["sync_every"] is None:
+        return (
+            f"{said('outer')} needs {said.name('sync_every')} H: how many optimizer steps the instances train "
+            "apart between two outer steps (DiLoCo used 500; at small scale 50 is a start). Set it."
+        )
+    return None
+
+
+def _fragments_within_cycle(v: dict[str, Any], said) -> str | None:
+    if v["outer"] == "diloco" and v["sync_every"] is not None and v["sync_fragments"] > v["sync_every"]:
+        return (
+            f"{said('sync_fragments')} is more than {said('sync_every')}: the fragments sync at staggered steps of "
+            f"one cycle of H steps; use at most {v['sync_every']} fragments."
+        )
+    return None
+
+
+def _fragments_within_units(v: dict[str, Any], said) -> str | None:
+    """Each fragment is a run of whole units (the GPT's layers and its root); an HF model is checked in preflight."""
+    if v["outer"] == "diloco" and v["model_config"] is None and v["sync_fragments"] > v["layers"] + 1:
+        return (
+            f"{said('sync_fragments')} is more than the model's {v['layers'] + 1} units ({said('layers')} and the "
+            f"root): each fragment is a run of whole units; use at most {v['layers'] + 1} fragments."
+        )
+    return None
+
+
+def _diloco_without_offload(v: dict[str, Any], said) -> str | None:
+    if v["outer"] == "diloco" and v["offload"] != "none":
+        return (
+            f"{said('offload')} cannot be combined with {said('outer')} yet: the outer step exchanges the main "
+            "weights, which offload keeps in host memory; drop --offload."
+        )
+    return None
+
+
+def _sgd_momentum_needs_sgd(v: dict[str, Any], said) -> str | None:
+    if v["optimizer"] != "sgd" and said.explicit("sgd_momentum"):
+        return f"{said('sgd_momentum')} applies to --optimizer sgd, but {said('optimizer')}; drop it or use sgd."
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    *(_only_with_diloco(name) for name in DILOCO_SETTINGS),
+    Rule(("sync_every", "outer"), _diloco_needs_sync_every),
+    Rule(("sync_fragments", "sync_every", "outer"), _fragments_within_cycle),
+    Rule(("sync_fragments", "layers", "model_config", "outer"), _fragments_within_units),
+    Rule(("offload", "outer"), _diloco_without_offload),
+    Rule(("sgd_momentum", "optimizer"), _sgd_momentum_needs_sgd),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),
     Rule(("min_lr", "lr"), _min_lr_below_lr),

@@ -15,21 +15,26 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from hfsdp.core.config import MEGATRON_NAMES
+from hfsdp.core.outer_config import COMM_DTYPES, CONFIG_KEYS, DiLoCoConfig
 from hfsdp.core.strategy import Strategy
 
 #: A per-value rule: None when `value` is fine, else what it must be ("must be a positive whole number ...").
 Check = Callable[[Any], str | None]
 
 STRATEGIES = ", ".join(Strategy.names()) + " (or ddp, zero1, zero2, zero3)"
+INNER_STRATEGIES = ", ".join(s.value for s in Strategy.sharding()) + " (or ddp, zero1, zero2, zero3)"
 DTYPES = ("fp32", "bf16")  # what the trainer runs; fp16 would need loss scaling, which it does not do
 DEVICES = ("auto", "cpu", "cuda")
 NORMS = ("LayerNorm", "RMSNorm")
 DECAY_STYLES = ("constant", "linear", "cosine")
 OFFLOADS = ("none", "optim")
+OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer: adam is AdamW (decoupled weight decay), as in Megatron
+#: DiLoCo's settings (`--outer diloco`), by TrainConfig name (the flag's) -> DiLoCoConfig field.
+DILOCO_SETTINGS = {flag[2:].replace("-", "_"): field for field, (_, flag) in CONFIG_KEYS.items()}
 #: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
 GPT_SETTINGS = ("layers", "hidden", "heads", "vocab", "normalization", "swiglu", "num_query_groups", "num_moe_experts")
 #: One megatron-core seed offset is added to the seed; keep the sum a valid 32-bit seed.
@@ -66,6 +71,10 @@ def positive_number(value: object) -> str | None:
 
 def non_negative_number(value: object) -> str | None:
     return None if _is_number(value) and value >= 0 else "must be a number >= 0 such as 0, 0.01 or 1.0"
+
+
+def unit_interval(value: object) -> str | None:
+    return None if _is_number(value) and 0 <= value < 1 else "must be a number in [0, 1) such as 0.9"
 
 
 def one_of(*choices: str) -> Check:
@@ -120,6 +129,27 @@ def _output(name: str, flag: str, default: Any, type_: type, help_text: str, che
     return Setting(name, flag, default, type_, help_text, check, panel=panel, default_text=shown)
 
 
+def _diloco_settings() -> tuple[Setting, ...]:
+    """DiLoCo's settings: flags, `diloco.*` keys and defaults are core's `DiLoCoConfig`'s (H has none: set it)."""
+    defaults = {f.name: None if f.default is MISSING else f.default for f in fields(DiLoCoConfig)}
+    about = {
+        "sync_every": (int, "optimizer steps between two outer steps of a fragment (H); required.", positive_int),
+        "lr": (float, "learning rate of the outer SGD.", positive_number),
+        "momentum": (float, "momentum of the outer SGD (0: none).", unit_interval),
+        "nesterov": (bool, "Nesterov momentum in the outer SGD.", boolean),
+        "comm_dtype": (str, f"what the exchange sends: {', '.join(COMM_DTYPES)}.", one_of(*COMM_DTYPES)),
+        "fragments": (int, "units cut into F groups synced at staggered steps (Streaming DiLoCo).", positive_int),
+    }
+    out = []
+    for name, field in DILOCO_SETTINGS.items():
+        type_, text, check = about[field]
+        key, flag = CONFIG_KEYS[field]
+        shown = "none (set it)" if defaults[field] is None else None
+        out.append(Setting(name, flag, defaults[field], type_, f"DiLoCo: {text}", check, key=key, panel="DiLoCo",
+                           default_text=shown))  # fmt: skip
+    return tuple(out)
+
+
 SETTINGS: tuple[Setting, ...] = (
     # The layout. world_size comes from --nproc, the file or torchrun (train_config._world), never a flag of its own.
     _layout("world_size", None, None, int, "Ranks in the whole job.", default_text="--nproc"),
@@ -131,10 +161,14 @@ SETTINGS: tuple[Setting, ...] = (
         "--inner",
         "optim_grads_params",
         str,
-        f"Sharding inside an instance (data_parallel_sharding_strategy): {STRATEGIES}.",
+        f"Sharding inside an instance (data_parallel_sharding_strategy): {INNER_STRATEGIES}.",
     ),
     _layout(
-        "outer", "--outer", "no_shard", str, f"Sharding across instances (outer_dp_sharding_strategy): {STRATEGIES}."
+        "outer",
+        "--outer",
+        "no_shard",
+        str,
+        f"Across instances (outer_dp_sharding_strategy): {STRATEGIES}; diloco: apart, met every --sync-every steps.",
     ),
     _layout("instances", "--instances", 1, int, "Number of instances (num_distributed_optimizer_instances)."),
     _layout("ep", "--ep", 1, int, "Expert-parallel size."),
@@ -258,11 +292,29 @@ SETTINGS: tuple[Setting, ...] = (
         key="train.train_iters",
     ),
     Setting(
+        "optimizer",
+        "--optimizer",
+        "adam",
+        str,
+        f"The (inner) optimizer, Megatron's choice: {', '.join(OPTIMIZERS)} (adam: AdamW, fused).",
+        one_of(*OPTIMIZERS),
+        key="train.optimizer",
+    ),
+    Setting(
+        "sgd_momentum",
+        "--sgd-momentum",
+        0.9,
+        float,
+        "Momentum of --optimizer sgd (0: plain SGD).",
+        unit_interval,
+        key="train.sgd_momentum",
+    ),
+    Setting(
         "lr",
         "--lr",
         3e-3,
         float,
-        "AdamW learning rate; when set, wins over a resumed checkpoint's.",
+        "Learning rate of the (inner) optimizer; when set, wins over a resumed checkpoint's.",
         positive_number,
         key="train.lr",
     ),
@@ -308,7 +360,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--weight-decay",
         0.01,
         float,
-        "AdamW weight decay; when set, wins over a resumed checkpoint's.",
+        "Weight decay of the (inner) optimizer; when set, wins over a resumed checkpoint's.",
         non_negative_number,
         key="train.weight_decay",
     ),
@@ -322,6 +374,7 @@ SETTINGS: tuple[Setting, ...] = (
         key="train.clip_grad",
     ),
     Setting("seed", "--seed", 0, int, "Seed of the model's initialisation.", seed, key="train.seed"),
+    *_diloco_settings(),  # --outer diloco: the outer step every --sync-every steps
     Setting(
         "dtype",
         "--dtype",

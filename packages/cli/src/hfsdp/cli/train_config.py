@@ -19,14 +19,13 @@ from typing import Any
 from hfsdp.cli.config_file import FileValues, read_config_file
 from hfsdp.cli.report import shown
 from hfsdp.cli.rules import RULES
-from hfsdp.cli.settings import BY_NAME, SETTINGS
+from hfsdp.cli.settings import BY_NAME, DILOCO_SETTINGS, SETTINGS
 from hfsdp.core.config import ConfigError, LayoutConfig, Problem
 
 FLAG, FILE, DEFAULT, ENV = "flag", "file", "default", "env"
 #: Microbatches per optimizer step when --global-batch-size is not given.
 DEFAULT_MICROBATCHES = 2
 #: Layout settings the rules between settings may name: they see the values the valid layout settled on.
-BATCH = ("global_batch_size", "micro_batch_size")
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,15 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.layout.global_batch_size * self.values["seq_len"]
 
+    @property
+    def diloco(self):
+        """The DiLoCo settings (`hfsdp.core.DiLoCoConfig`) of an `--outer diloco` run, else None."""
+        if self.layout.outer.value != "diloco":
+            return None
+        from hfsdp.core.outer_config import DiLoCoConfig
+
+        return DiLoCoConfig(**{field: self.values[name] for name, field in DILOCO_SETTINGS.items()})
+
 
 class _Quote:
     """What a rule gets to quote settings: `quote(name)` as the user wrote it, `quote.explicit(name)`."""
@@ -86,6 +94,10 @@ class _Quote:
 
     def explicit(self, name: str) -> bool:
         return self.given[name].source in (FLAG, FILE)
+
+    def name(self, name: str) -> str:
+        """How the user spells the setting, without its value: '--sync-every' or 'diloco.sync_every'."""
+        return self.given[name].spelled
 
 
 def gather(flags: Mapping[str, Any], file: FileValues | None, world: Given | None) -> dict[str, Given]:
@@ -133,12 +145,14 @@ def resolve(
         good.add(s.name)
 
     layout = _layout(given, problems, good, values, world_flag)
-    judged = dict(values)  # what the rules see: every setting, and the layout's batch sizes once it is valid
+    # Rules may name layout settings too (DiLoCo's need `outer`, the batch rules the batch sizes): with the layout
+    # valid, as LayoutConfig made them.
+    known = dict(values)
     if layout is not None:
-        judged.update(global_batch_size=layout.global_batch_size, micro_batch_size=layout.micro_batch_size)
+        known.update({s.name: _plain(getattr(layout, s.name)) for s in SETTINGS if s.layout})
     for rule in RULES:
-        if all(name in good or (layout is not None and name in BATCH) for name in rule.names):
-            found = rule.check({n: judged[n] for n in rule.names}, _Quote(given))
+        if all(name in good or (layout is not None and BY_NAME[name].layout) for name in rule.names):
+            found = rule.check({n: known[n] for n in rule.names}, _Quote(given))
             for name, message in [(rule.names[0], found)] if isinstance(found, str) else found or ():
                 problems.append(Problem(given[name].spelled, message))
     if problems or layout is None:
@@ -204,6 +218,11 @@ def _default_global_batch(kwargs: Mapping[str, Any]) -> int | None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain(value: Any) -> Any:
+    """A layout field as rules read it: a strategy by its name."""
+    return value.value if hasattr(value, "value") else value
 
 
 # The two entry points ----------------------------------------------------------------------------

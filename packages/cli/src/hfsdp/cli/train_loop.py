@@ -66,7 +66,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     layout = cfg.layout
     built = build_model(cfg, device)
     sharded = built.sharded
-    opt = torch.optim.AdamW(param_groups(sharded, cfg.weight_decay), lr=cfg.lr, fused=True)
+    opt = _optimizer(cfg, param_groups(sharded, cfg.weight_decay))
+    apart = _instances_apart(layout)
     data, held_out = _data(cfg, built.vocab_size)
     start, settings = _maybe_load(cfg, sharded, opt, rank)
     schedule = _schedule(settings, opt, start)
@@ -85,7 +86,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             total = torch.zeros((), device=device)
             for index in range(count):
                 sharded.set_microbatch(index, count)
-                tokens, labels = (t.to(device) for t in microbatch(batch, index, count, rank, layout.dp))
+                tokens, labels = (t.to(device) for t in microbatch(batch, index, count, rank, layout.dp, apart))
                 loss = built.loss(sharded, tokens, labels)
                 loss.backward()
                 total += loss.detach()
@@ -148,6 +149,21 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     if rank == 0:
         _print_summary(cfg, summary, device)
     return summary
+
+
+def _optimizer(cfg: TrainConfig, groups):
+    """Megatron's --optimizer: adam is torch's fused AdamW (decoupled weight decay), sgd torch's SGD."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+
+
+def _instances_apart(layout) -> int:
+    """How many instances train on their own share of each batch: DiLoCo's R (read off the placements), else 1."""
+    from hfsdp.core.layout import dense_layout
+
+    dense = dense_layout(layout)
+    return dense.size // dense.reduced_size
 
 
 class _Silent:

@@ -99,6 +99,24 @@ def summarize(cfg: LayoutConfig, run: TrainConfig | None = None) -> dict[str, An
         "bytes_per_param_assumes": BYTES_NOTE,
         "config": {MEGATRON_NAMES[k]: v for k, v in cfg.to_dict().items()},
         "settings": _settings(run) if run is not None else None,
+        "diloco": _diloco_summary(cfg, run),
+    }
+
+
+def _diloco_summary(cfg: LayoutConfig, run: TrainConfig | None) -> dict[str, Any] | None:
+    """DiLoCo's settings with what they cost: outer-state bytes per parameter on a rank, and the bytes per parameter
+    one rank sends on the outer axis per optimizer step (docs/formulas.md: 2·α(R)·b / (N·H), b per comm dtype)."""
+    diloco = run.diloco if run is not None else None
+    if diloco is None:
+        return None
+    from hfsdp.core.layout import dense_layout
+    from hfsdp.core.outer_config import COMM_BYTES
+
+    mesh, r, n = dense_layout(cfg), cfg.instances, cfg.inner_size
+    return {
+        **diloco.to_dict(),
+        "outer_state_bytes_per_param": mesh.outer_bytes_per_param(diloco.anchored),
+        "outer_bytes_per_param_per_step": 2 * (r - 1) / r * COMM_BYTES[diloco.comm_dtype] / (n * diloco.sync_every),
     }
 
 
@@ -184,6 +202,14 @@ def _print_summary(file: Path, s: dict[str, Any]) -> None:
             " experts one expert-parallel rank holds."
         )
     console.print(note, markup=False)
+    if s["diloco"]:
+        d = s["diloco"]
+        console.print(
+            f"DiLoCo: the instances train apart and meet every {d['sync_every']} steps ({d['fragments']} "
+            f"fragment(s), {d['comm_dtype']} exchange); outer state {d['outer_state_bytes_per_param']:g} B/param a "
+            f"rank; outer axis {d['outer_bytes_per_param_per_step']:.4g} B/param a rank per step.",
+            markup=False,
+        )
     if s["settings"]:
         listed = ", ".join(f"{k} {v['value']}{'*' if v['default'] else ''}" for k, v in s["settings"].items())
         console.print(printable(f"Trainer settings (* the default): {listed}."), markup=False)

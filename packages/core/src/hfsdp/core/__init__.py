@@ -16,6 +16,7 @@ import importlib
 _EXPORTS = {
     "LayoutConfig": "hfsdp.core.config",
     "ConfigError": "hfsdp.core.config",
+    "DiLoCoConfig": "hfsdp.core.outer_config",
     "Strategy": "hfsdp.core.strategy",
     "build_meshes": "hfsdp.core.mesh",
     "HybridMeshes": "hfsdp.core.mesh",

@@ -1,11 +1,12 @@
 """Gradient norms and clipping over every rank's pieces, each element counted exactly once.
 
 Every rank holds the reduced gradient of its optimizer piece. A piece is held
-by `mesh size / optimizer shard factor` ranks (the replicas along axes that do
+by `ranks that reduce / optimizer shard factor` ranks (the replicas along axes that do
 not shard the optimizer), so each rank weights its sum of |g|^p by one over
-that count, and the sums of all ranks add up in one all-reduce over the world
-(dense and expert meshes together). The infinity norm is a max, where replicas
-do not matter.
+that count, and the sums of all ranks add up in one all-reduce over the ranks
+one step reduces over (dense and expert meshes together): the world, or with
+DiLoCo one instance, which clips by its own norm. The infinity norm is a max,
+where replicas do not matter.
 
 `torch.nn.utils.clip_grad_norm_` on pieces would compute this rank's local norm
 and clip by it: silently wrong. `install_torch_clip` makes it right: given hfsdp
@@ -40,7 +41,7 @@ def _grads(pieces: Iterable[MainParam]) -> dict[int, list[torch.Tensor]]:
         grad = group.grads.main_grad
         if grad is None:
             continue
-        replicas = group.layout.size // group.layout.shard_factor(State.OPTIM)
+        replicas = group.layout.reduced_size // group.layout.shard_factor(State.OPTIM)
         if len(mine) == len(group.main_params):
             out.setdefault(replicas, []).append(grad)
             continue
@@ -61,12 +62,13 @@ def pieces_norm(pieces: list[MainParam], norm_type: float = 2.0) -> torch.Tensor
     norm_type = float(norm_type)
     device = _device(pieces)
     by_replicas = _grads(pieces)
+    group = pieces[0].group.owner().norm_group if pieces else None
     if math.isinf(norm_type):
         total = torch.zeros((), dtype=torch.float32, device=device)
         for grads in by_replicas.values():
             total = torch.maximum(total, torch.stack(torch._foreach_norm(grads, norm_type)).max().float().to(device))
         if dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return total
     total = torch.zeros((), dtype=torch.float64, device=device)
     for replicas, grads in by_replicas.items():
@@ -74,7 +76,7 @@ def pieces_norm(pieces: list[MainParam], norm_type: float = 2.0) -> torch.Tensor
         norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
         total += torch.stack(norms).double().pow(norm_type).sum().to(device) / replicas
     if dist.is_initialized():
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
     return total.pow(1.0 / norm_type).float()
 
 

@@ -1,4 +1,4 @@
-"""The collectives, alone: every byte hfsdp sends goes through these three functions.
+"""The collectives, alone: every byte hfsdp sends goes through these four functions.
 
 Keeping them in one place lets a `CommLog` count what each rank sends under the
 ring model (docs/formulas.md), which is how the tests check the communication
@@ -20,7 +20,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass(frozen=True)
 class CommRecord:
-    op: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all"
     axis: str
     group_size: int
     numel: int  # elements of the full (unsharded) side of the collective
@@ -28,7 +28,8 @@ class CommRecord:
 
     @property
     def bytes_sent(self) -> float:
-        """Bytes this rank sends under the ring model: α(n)·size, twice that for all-reduce."""
+        """Bytes this rank sends under the ring model: α(n)·size, twice that for all-reduce (an all-to-all sends
+        every chunk but its own: α(n)·size too)."""
         alpha = (self.group_size - 1) / self.group_size
         factor = 2 if self.op == "all_reduce" else 1
         return factor * alpha * self.numel * self.element_size
@@ -90,3 +91,14 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, axis: str) -> Non
     _record("all_reduce", axis, group, tensor)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
+
+
+def all_to_all(output: torch.Tensor, chunks: torch.Tensor, group: dist.ProcessGroup, axis: str) -> None:
+    """Send equal chunk j of `chunks` (split along dim 0) to the rank of `group` at position j; `output` gets the
+    chunk each rank sent here, in rank order. What a reduce-scatter does before it sums: a caller that sums the
+    received chunks itself does it in a fixed order and precision, and may send them compressed."""
+    _record("all_to_all", axis, group, chunks)
+    if dist.get_world_size(group) == 1:
+        output.copy_(chunks)
+        return
+    dist.all_to_all_single(output, chunks, group=group)

@@ -8,6 +8,9 @@
   is sharded. So the outer axis sees exactly one collective per step.
 - After the optimizer step, updated parameters are all-gathered over the axes
   where parameters are replicated but the optimizer state is sharded.
+- Axes whose placements are Independent (diloco) see none of these: each
+  coordinate trains apart. They are the `outer_sync` axes, over which the
+  outer step every H steps exchanges the weights (`outer_sync.py`).
 
 Gathers run outer axis first and reductions inner axis first, which keeps every
 intermediate piece contiguous under the shard order of `layout.py`.
@@ -31,6 +34,7 @@ class CommPlan:
     microbatch_reduce: tuple[int, ...]
     final_reduce: tuple[tuple[int, str], ...]
     post_step_gather: tuple[int, ...]
+    outer_sync: tuple[int, ...] = ()  # axes that train apart and meet in the outer step
 
 
 def plan_for(layout: MeshLayout) -> CommPlan:
@@ -40,12 +44,17 @@ def plan_for(layout: MeshLayout) -> CommPlan:
     busy = [k for k in range(len(layout.axes)) if layout.axes[k].size > 1]
     param_sharded = tuple(k for k in layout.sharded_axes(State.PARAM) if k in busy)
     microbatch = (inner,) if is_shard_name(grad[inner]) and inner in busy else ()
+    apart = layout.independent_axes()
     final = tuple(
         (k, "reduce_scatter" if is_shard_name(optim[k]) else "all_reduce")
         for k in reversed(busy)
-        if k not in microbatch
+        if k not in microbatch and k not in apart
     )
     post_step = tuple(k for k in busy if is_shard_name(optim[k]) and not is_shard_name(param[k]))
     return CommPlan(
-        param_gather=param_sharded, microbatch_reduce=microbatch, final_reduce=final, post_step_gather=post_step
+        param_gather=param_sharded,
+        microbatch_reduce=microbatch,
+        final_reduce=final,
+        post_step_gather=post_step,
+        outer_sync=tuple(k for k in apart if k in busy),
     )

@@ -125,7 +125,7 @@ class LayoutConfig:
             (Strategy.NO_SHARD, Strategy.OPTIM_GRADS_PARAMS): "HSDP",
             (Strategy.OPTIM, Strategy.OPTIM_GRADS_PARAMS): "HFSDP",
         }
-        name = known.get((self.outer, self.inner), "hybrid")
+        name = "DiLoCo" if self.outer is Strategy.DILOCO else known.get((self.outer, self.inner), "hybrid")
         return f"{name} {self.instances}x{self.inner_size} ({self.outer.value} over {self.inner.value})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,6 +216,7 @@ def validate(cfg: LayoutConfig) -> list[Problem]:
 
     # Rules 2 and 3: the outer axis.
     _check_hybrid(bad, cfg.inner, cfg.outer, cfg.instances, dp, "outer", "instances", "data-parallel size")
+    _check_diloco(bad, cfg)
 
     # Rule 5: experts.
     if dp % cfg.ep:
@@ -270,9 +271,15 @@ def _check_hybrid(bad, inner, outer, instances, dp, outer_name, instances_name, 
         bad(
             instances_name, f"{instances_name} {instances} does not divide the {domain} {dp}; choose a divisor of {dp}."
         )
-    if outer is None or inner is None:
+    if outer is None or inner is None or inner.outer_only:
         return
-    if instances == 1 and outer is not Strategy.NO_SHARD:
+    if instances == 1 and outer is Strategy.DILOCO:
+        bad(
+            outer_name,
+            f"{outer_name} is 'diloco' but {instances_name} is 1: DiLoCo syncs instances that train apart, and one "
+            f"instance has nothing to sync with; set {instances_name} > 1, or {outer_name} to 'no_shard'.",
+        )
+    elif instances == 1 and outer is not Strategy.NO_SHARD:
         bad(
             outer_name,
             f"{outer_name} is '{outer.value}' but {instances_name} is 1, so there is no outer axis to shard over; "
@@ -284,4 +291,43 @@ def _check_hybrid(bad, inner, outer, instances, dp, outer_name, instances_name, 
             f"{outer_name} '{outer.value}' shards more than the inner strategy '{inner.value}': every gather "
             "would then cross instances (the slow links) while the fast links inside an instance sit idle; "
             f"choose an outer strategy no stronger than '{inner.value}' or a stronger inner one.",
+        )
+
+
+def _check_diloco(bad, cfg: LayoutConfig) -> None:
+    """DiLoCo is an outer strategy only, and with experts both meshes train apart over the same instances.
+
+    Inside an instance the ranks must agree every step (they hold pieces of one model), so an inner
+    strategy cannot train apart: there is no hybrid inside an instance. Experts get the same outer
+    axis as the dense weights: an expert axis reduced every step across instances would send
+    expert gradients over the slow links every step and mix experts trained against different
+    dense weights; so with `outer = diloco` and experts, `expert_outer` is diloco over the same
+    number of instances (whose rows are the dense instances' ranks), and not otherwise.
+    """
+    for name in ("inner", "expert_strategy"):
+        value = getattr(cfg, name)
+        if value is Strategy.DILOCO:
+            bad(
+                name,
+                f"{name} is 'diloco', which is an outer strategy only: the ranks of one instance hold pieces of one "
+                "model and must agree every step. Use diloco as the outer strategy (outer / expert_outer) over "
+                "any of no_shard, optim, optim_grads, optim_grads_params inside.",
+            )
+    if cfg.outer is None or cfg.expert_outer is None:
+        return
+    dense, expert = cfg.outer is Strategy.DILOCO, cfg.expert_outer is Strategy.DILOCO
+    if dense and cfg.num_moe_experts is not None and (not expert or cfg.expert_instances != cfg.instances):
+        bad(
+            "expert_outer",
+            f"outer is 'diloco' over {cfg.instances} instances, so the experts must train apart over the same "
+            f"instances (expert_outer 'diloco', expert_instances {cfg.instances}), not be reduced across them every "
+            f"step; got expert_outer '{cfg.expert_outer.value}' with expert_instances {cfg.expert_instances}. Set "
+            f"expert_outer to 'diloco' and expert_instances to {cfg.instances}.",
+        )
+    elif expert and not dense:
+        bad(
+            "expert_outer",
+            f"expert_outer is 'diloco' but outer is '{cfg.outer.value}': experts cannot train apart while the dense "
+            "weights are reduced every step (each instance's experts would meet dense weights that never "
+            "diverge). Set outer to 'diloco' too, or expert_outer to a sharding strategy.",
         )

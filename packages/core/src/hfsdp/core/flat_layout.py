@@ -53,6 +53,7 @@ class FlatLayout:
     param_range: Range
     grad_range: Range  # what this rank accumulates between microbatches (after the per-microbatch reduction)
     optim_range: Range
+    outer_range: Range  # the outer optimizer's piece (DiLoCo); the optimizer's own where no axis trains apart
 
     @classmethod
     def build(cls, named_params, global_names, layout: MeshLayout, coord: tuple[int, ...]) -> FlatLayout:
@@ -72,6 +73,7 @@ class FlatLayout:
             param_range=layout.shard_range(State.PARAM, coord, padded),
             grad_range=layout.range_over(plan.microbatch_reduce, coord, padded),
             optim_range=layout.shard_range(State.OPTIM, coord, padded),
+            outer_range=layout.shard_range(State.OUTER, coord, padded),
         )
 
     def range_over(self, sharded_axes: tuple[int, ...]) -> Range:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hfsdp.core.config import LayoutConfig
-from hfsdp.core.placement_names import State, is_shard_name, names_of
+from hfsdp.core.placement_names import State, is_independent_name, is_shard_name, names_of
 from hfsdp.core.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -74,6 +74,19 @@ class MeshLayout:
         """Indices of the axes that shard `state`, outer first."""
         return tuple(k for k, name in enumerate(self.placement_names(state)) if is_shard_name(name))
 
+    def independent_axes(self) -> tuple[int, ...]:
+        """Indices of the axes along which every coordinate trains apart (diloco): no per-step collective there."""
+        return tuple(k for k, name in enumerate(self.placement_names(State.GRAD)) if is_independent_name(name))
+
+    @property
+    def reduced_size(self) -> int:
+        """How many ranks one step's gradients are summed over: the mesh without its independent axes.
+
+        That is the data-parallel size of one step's mean loss (with DiLoCo the
+        ranks of one instance), so the loss scale is 1 / (microbatches x this).
+        """
+        return self.size // math.prod(self.axes[k].size for k in self.independent_axes())
+
     def shard_factor(self, state: State) -> int:
         """Into how many pieces `state` is cut (the product of its sharding axes' sizes)."""
         return math.prod(self.axes[k].size for k in self.sharded_axes(state))
@@ -122,6 +135,15 @@ class MeshLayout:
         s_p, s_o = self.shard_factor(State.PARAM), self.shard_factor(State.OPTIM)
         params = param_bytes / s_p if s_p != s_o else 0.0
         return params + grad_bytes / self.shard_factor(State.GRAD) + optim_bytes / s_o
+
+    def outer_bytes_per_param(self, anchored: bool = False) -> float:
+        """The outer optimizer's bytes per parameter on one rank: 8/s_outer (fp32 global weights and momentum)
+        where an axis trains apart, plus 4/s_o for the anchor a compressed outer exchange keeps (`anchored`:
+        the weights of the last outer step, over the inner optimizer's piece); 0 without such an axis."""
+        if not self.independent_axes():
+            return 0.0
+        anchor = 4 / self.shard_factor(State.OPTIM) if anchored else 0.0
+        return 8 / self.shard_factor(State.OUTER) + anchor
 
 
 def dense_layout(cfg: LayoutConfig) -> MeshLayout:

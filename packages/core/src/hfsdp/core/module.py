@@ -15,7 +15,8 @@ forward and backward they are what an optimizer must step, this rank's fp32 main
 - `zero_grad()`: frees the gradient buffers;
 - `.to(dtype)`, `.double()`, `.cuda()`, ... after sharding are refused with the right way
   (MixedPrecision, build on the device), instead of moving parameters off the flat buffers;
-- `wait_for_weights()`: before reading parameters outside forward right after a step.
+- `wait_for_weights()`: before reading parameters outside forward right after a step;
+- `sync_outer()`: with DiLoCo, the outer step of every fragment now (the global weights everywhere).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from hfsdp.core.expert_naming import ExpertNaming
 from hfsdp.core.mesh import HybridMeshes
 from hfsdp.core.mixed_precision import MixedPrecision
 from hfsdp.core.optimizer_hooks import install as install_optimizer_hooks
+from hfsdp.core.outer_config import DiLoCoConfig
 from hfsdp.core.sharding import ATTRIBUTE, Sharding, is_expert_param_default, sharding_of
 from hfsdp.core.state_dict import full_state_dict, load_full_state_dict
 
@@ -58,6 +60,12 @@ class HFSDPModule:
         a step (an EMA, logging a norm) calls this first.
         """
         sharding_of(self).wait_for_weights()
+
+    def sync_outer(self) -> None:
+        """DiLoCo: run the outer step of every fragment now and republish (collective), so every instance computes
+        with the global weights (e.g. before an evaluation or an export at the end of a run). The outer steps the
+        schedule brings (every `sync_every` optimizer steps) run by themselves after `optimizer.step()`."""
+        sharding_of(self).sync_outer()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Free every gradient buffer; the next backward starts a new step's gradients."""
@@ -122,6 +130,7 @@ def fully_shard(
     streams=None,
     offload: bool = False,
     reshard_root_after_forward: bool = False,
+    diloco: DiLoCoConfig | None = None,
 ) -> nn.Module:
     """Shard `module` in place on `meshes` and return it: each of `units` gets its own buffers, the root the rest.
 
@@ -133,7 +142,10 @@ def fully_shard(
     - `reshard_root_after_forward`: free the root's parameters after forward. By default the root keeps them
       through backward, as FSDP2's does: when the loss is computed inside the model (a megatron GPT), backward
       needs them at once. When it is computed outside (a transformers model's logits), resharding frees them
-      while the loss and its gradient peak, at the price of gathering them again for backward.
+      while the loss and its gradient peak, at the price of gathering them again for backward;
+    - `diloco`: the outer step of a layout whose outer strategy is 'diloco' (required there, refused elsewhere):
+      every `sync_every` optimizer steps the instances' weights are averaged into the global weights by an outer
+      SGD, after `optimizer.step()`, by itself (`outer_sync.py`).
     """
     if isinstance(module, HFSDPModule):
         raise ValueError(f"{type(module).__name__} is already sharded by hfsdp; call fully_shard once per model.")
@@ -151,6 +163,7 @@ def fully_shard(
         streams=streams,
         offload=offload,
         reshard_root_after_forward=reshard_root_after_forward,
+        diloco=diloco,
     )
     module.__dict__[ATTRIBUTE] = sharding
     module.__class__ = _sharded_class(type(module))

@@ -14,10 +14,36 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from hfsdp.core.placement_names import PARTIAL, PLACEMENT_NAMES, REPLICATE, SHARD0, State
+from hfsdp.core.placement_names import INDEPENDENT, PARTIAL, PLACEMENT_NAMES, REPLICATE, SHARD0, State
 from hfsdp.core.strategy import Strategy
 
-__all__ = ["PLACEMENT_TABLE", "AxisPlacements", "Placements", "State", "compose", "describe", "is_shard"]
+__all__ = [
+    "PLACEMENT_TABLE",
+    "AxisPlacements",
+    "Independent",
+    "Placements",
+    "State",
+    "compose",
+    "describe",
+    "is_shard",
+]
+
+
+class Independent(Placement):
+    """Each coordinate along the axis holds its own value (DiLoCo's instances between outer steps).
+
+    DTensor has no placement for this, and none of its operations accept this one: it only
+    describes a layout. The engine's DTensor views leave such an axis out (`dtensor.py`).
+    """
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Independent)
+
+    def __hash__(self) -> int:
+        return hash(INDEPENDENT)
+
+    def __repr__(self) -> str:
+        return INDEPENDENT
 
 
 @dataclass(frozen=True)
@@ -27,12 +53,13 @@ class AxisPlacements:
     param: Placement
     grad: Placement
     optim: Placement
+    outer: Placement
 
     def of(self, state: State) -> Placement:
         return getattr(self, State(state).value)
 
 
-_FROM_NAME = {REPLICATE: Replicate(), PARTIAL: Partial(), SHARD0: Shard(0)}
+_FROM_NAME = {REPLICATE: Replicate(), PARTIAL: Partial(), SHARD0: Shard(0), INDEPENDENT: Independent()}
 
 PLACEMENT_TABLE: dict[Strategy, AxisPlacements] = {
     strategy: AxisPlacements(**{state.value: _FROM_NAME[name] for state, name in row.items()})
@@ -47,6 +74,7 @@ class Placements:
     param: tuple[Placement, ...]
     grad: tuple[Placement, ...]
     optim: tuple[Placement, ...]
+    outer: tuple[Placement, ...]
 
     def of(self, state: State) -> tuple[Placement, ...]:
         return getattr(self, State(state).value)
@@ -59,6 +87,7 @@ def compose(strategies: Sequence[Strategy]) -> Placements:
         param=tuple(a.param for a in per_axis),
         grad=tuple(a.grad for a in per_axis),
         optim=tuple(a.optim for a in per_axis),
+        outer=tuple(a.outer for a in per_axis),
     )
 
 
@@ -76,4 +105,6 @@ def _name(p: Placement) -> str:
         return f"Shard({p.dim})"
     if isinstance(p, Partial):
         return "Partial()"
+    if isinstance(p, Independent):
+        return INDEPENDENT
     return "Replicate()"

@@ -15,21 +15,31 @@ from hfsdp.core.strategy import Strategy
 
 
 class State(StrEnum):
-    """The three kinds of model state a strategy may shard."""
+    """The kinds of model state a strategy places: the three of every training step, and the outer optimizer's."""
 
     PARAM = "param"
     GRAD = "grad"
     OPTIM = "optim"
+    OUTER = "outer"  # the outer optimizer's state (DiLoCo's global weights and outer momentum)
 
+
+#: The kinds of state every training step has (what the four sharding strategies are about).
+STEP_STATES = (State.PARAM, State.GRAD, State.OPTIM)
 
 REPLICATE, PARTIAL, SHARD0 = "Replicate()", "Partial()", "Shard(0)"
+#: Each coordinate along the axis holds its own value, which no per-step collective reads or writes: DiLoCo's
+#: instances between two outer steps. DTensor has no such placement (a DTensor view leaves the axis out).
+INDEPENDENT = "Independent()"
 
-#: What one mesh axis of each strategy does to (param, grad, optim), as DTensor placements are written.
+#: What one mesh axis of each strategy does to (param, grad, optim, outer), as DTensor placements are written.
+#: The outer optimizer's state lives where the inner optimizer's does (it is a slice of the same weights), except
+#: along a diloco axis, which shards it: each instance holds 1/R of it.
 PLACEMENT_NAMES: dict[Strategy, dict[State, str]] = {
-    Strategy.NO_SHARD: {State.PARAM: REPLICATE, State.GRAD: PARTIAL, State.OPTIM: REPLICATE},
-    Strategy.OPTIM: {State.PARAM: REPLICATE, State.GRAD: PARTIAL, State.OPTIM: SHARD0},
-    Strategy.OPTIM_GRADS: {State.PARAM: REPLICATE, State.GRAD: SHARD0, State.OPTIM: SHARD0},
-    Strategy.OPTIM_GRADS_PARAMS: {State.PARAM: SHARD0, State.GRAD: SHARD0, State.OPTIM: SHARD0},
+    Strategy.NO_SHARD: {State.PARAM: REPLICATE, State.GRAD: PARTIAL, State.OPTIM: REPLICATE, State.OUTER: REPLICATE},
+    Strategy.OPTIM: {State.PARAM: REPLICATE, State.GRAD: PARTIAL, State.OPTIM: SHARD0, State.OUTER: SHARD0},
+    Strategy.OPTIM_GRADS: {State.PARAM: REPLICATE, State.GRAD: SHARD0, State.OPTIM: SHARD0, State.OUTER: SHARD0},
+    Strategy.OPTIM_GRADS_PARAMS: {State.PARAM: SHARD0, State.GRAD: SHARD0, State.OPTIM: SHARD0, State.OUTER: SHARD0},
+    Strategy.DILOCO: {State.PARAM: INDEPENDENT, State.GRAD: INDEPENDENT, State.OPTIM: INDEPENDENT, State.OUTER: SHARD0},
 }
 
 
@@ -40,6 +50,10 @@ def names_of(strategies: Sequence[Strategy | str], state: State | str) -> tuple[
 
 def is_shard_name(name: str) -> bool:
     return name.startswith("Shard(")
+
+
+def is_independent_name(name: str) -> bool:
+    return name == INDEPENDENT
 
 
 def describe_names(names: Sequence[str]) -> str:

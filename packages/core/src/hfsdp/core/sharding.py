@@ -8,8 +8,13 @@ parameter no unit claimed. Inside each unit, parameters are grouped by mesh (den
 expert) and dtype into `FlatParamGroup`s.
 
 Loss scaling lives here and only here: the reductions are plain sums, and after a step's
-last reduction each rank's optimizer piece is multiplied by 1 / (microbatches x dp), so
-every layout computes the update of the mean loss over the global batch.
+last reduction each rank's optimizer piece is multiplied by 1 / (microbatches x the ranks
+that reduce), so every layout computes the update of the mean loss over the ranks one step
+sums over: the global batch, or with DiLoCo the instance's share of it.
+
+With DiLoCo (`outer_sync.py`) the outer step runs after an inner step's last optimizer has
+stepped, every H steps per fragment, before the new weights are published: one publish
+carries both.
 
 Gradients ready after a step's last microbatch are consumed by optimizer steps, each of the
 pieces it steps (an optimizer over part of the model leaves the rest to another), or all at
@@ -36,6 +41,8 @@ from hfsdp.core.flat_group import FlatParamGroup, Location
 from hfsdp.core.main_params import MainParam
 from hfsdp.core.mesh import HybridMeshes
 from hfsdp.core.mixed_precision import MixedPrecision
+from hfsdp.core.outer_config import DiLoCoConfig
+from hfsdp.core.outer_sync import OuterSync
 from hfsdp.core.placement_names import State
 from hfsdp.core.step import StepContext, StepPhase
 from hfsdp.core.streams import streams_for
@@ -74,13 +81,15 @@ class Sharding:
         streams,
         offload: bool,
         reshard_root_after_forward: bool,
+        diloco: DiLoCoConfig | None = None,
     ):
         self.module, self.config, self.meshes, self.mp = module, config, meshes, mp
         self.expert_naming = expert_naming
         self.offload = offload  # fp32 main weights and optimizer state in host memory
         self.device = next(module.parameters()).device
         self.streams = streams if streams is not None else streams_for(self.device)
-        self.step = StepContext(config.dp, self._begin_backward, self._end_backward)
+        _check_diloco(meshes, diloco, offload)
+        self.step = StepContext(meshes.dense_layout.reduced_size, self._begin_backward, self._end_backward)
         self.pending: set[str] = set()  # names of ready gradients no optimizer step has consumed yet
         self.consumed = False  # some optimizer stepped since the gradients became ready
         names = {p: n for n, p in module.named_parameters()}
@@ -116,6 +125,10 @@ class Sharding:
             later.link(following.get(later), earlier if earlier is not root else None)
         self.groups: list[FlatParamGroup] = [g for unit in self.units for g in unit.groups]
         self.main_params: list[MainParam] = [p for g in self.groups for p in g.main_params]
+        self.outer: OuterSync | None = OuterSync(diloco, self.groups, len(self.units)) if diloco else None
+        #: The ranks a step's scalars (the gradient norm) are reduced over: one instance with DiLoCo, else all.
+        apart = meshes.dense_layout.independent_axes()
+        self.norm_group = meshes.dense.get_group(meshes.dense_layout.names[-1]) if apart else None
 
     def _make_groups(self, params, locations, is_expert, unit_index: int) -> list[FlatParamGroup]:
         buckets: dict[tuple[bool, torch.dtype], list] = {}
@@ -215,8 +228,6 @@ class Sharding:
         if self.step.phase is not StepPhase.GRADS_READY:
             return
         stepped = self._by_group(pieces)
-        for group, _ in stepped:
-            group.publish_main_weights()
         self.consumed = True
         self.pending.difference_update(p.name for p in pieces)
         for group, mine in stepped:
@@ -224,8 +235,35 @@ class Sharding:
                 piece.param.grad = None
             if not any(p.name in self.pending for p in group.main_params):
                 group.release_grads()
-        if not self.pending:
+        done = not self.pending  # the inner step is complete: every optimizer over the model has stepped
+        synced = self.outer.inner_step_done() if self.outer is not None and done else []
+        for group in self._in_order([*(g for g, _ in stepped), *synced]):
+            group.publish_main_weights()
+        if done:
             self.step.phase = StepPhase.IDLE
+
+    def _in_order(self, groups: Iterable[FlatParamGroup]) -> list[FlatParamGroup]:
+        """`groups`, each once, in the model's group order: the same on every rank (publishing is collective)."""
+        ids = {id(g) for g in groups}
+        return [g for g in self.groups if id(g) in ids]
+
+    def sync_outer(self) -> None:
+        """Run the outer step of every fragment not synced since the last optimizer step and republish (collective):
+        the global weights everywhere, e.g. before evaluating or exporting the model at the end of a run. The
+        schedule is unchanged, and a second call does nothing."""
+        if self.outer is None:
+            raise RuntimeError(
+                "sync_outer() needs a DiLoCo layout (outer strategy 'diloco' and fully_shard(..., diloco=...)); "
+                "this model's instances never train apart."
+            )
+        if self.step.phase is not StepPhase.IDLE:
+            raise RuntimeError(
+                "sync_outer() was called between a backward and its optimizer step; call it after optimizer.step() "
+                "(or zero_grad()), when no gradients are held."
+            )
+        self.wait_for_weights()
+        for group in self._in_order(self.outer.sync()):
+            group.publish_main_weights()
 
     def _by_group(self, pieces: list[MainParam]) -> list[tuple[FlatParamGroup, list[MainParam]]]:
         """`pieces` by their group, in the model's group order (the same on every rank: collectives follow it)."""
@@ -290,6 +328,27 @@ class Sharding:
 
     def state_bytes(self) -> int:
         return sum(g.state_bytes() for g in self.groups)
+
+
+def _check_diloco(meshes: HybridMeshes, diloco: DiLoCoConfig | None, offload: bool) -> None:
+    """A layout whose instances train apart needs DiLoCo's settings, and the settings need such a layout."""
+    apart = bool(meshes.dense_layout.independent_axes())
+    if apart and diloco is None:
+        raise ValueError(
+            "the layout's outer strategy is 'diloco', so its instances train apart and meet every H steps, but "
+            "fully_shard got no DiLoCo settings; pass diloco=DiLoCoConfig(sync_every=H) (hfsdp.core.DiLoCoConfig)."
+        )
+    if diloco is not None and not apart:
+        raise ValueError(
+            "fully_shard got DiLoCo settings (diloco=...), but the layout's outer strategy is not 'diloco': nothing "
+            "trains apart to be synced. Set LayoutConfig(outer='diloco', instances=R) or drop diloco=."
+        )
+    if apart and offload:
+        raise ValueError(
+            "offload=True cannot be combined with a 'diloco' outer strategy yet: the outer step exchanges the main "
+            "weights, which offload keeps in host memory, out of reach of the device's collectives. Train DiLoCo "
+            "with the main weights on the device (offload=False)."
+        )
 
 
 def _locations(module: nn.Module) -> dict[int, list[Location]]:

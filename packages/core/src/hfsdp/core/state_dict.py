@@ -8,9 +8,13 @@ on every other rank an empty dict. `torch.save` writes it and the unsharded mode
 collective: call it on every rank. The gather runs one group at a time over the group's mesh,
 so a rank holds at most one unit's parameters besides its own shards.
 
+With DiLoCo each instance has its own weights between two outer steps, and `state_dict()`
+gives instance 0's (call `sync_outer()` first for the global weights).
+
 `model.load_state_dict(sd)` writes into the fp32 main weights and derives the compute weights
 from them again (collective), in every layout, with offload too, so what it loads lasts through
-later steps. Every rank may pass the same full dict, or rank 0 alone (the others an empty dict:
+later steps; with DiLoCo the loaded weights become the global weights too (the outer momentum
+is kept). Every rank may pass the same full dict, or rank 0 alone (the others an empty dict:
 what `state_dict()` gave them), and rank 0 then broadcasts each tensor. For large models,
 `hfsdp.ckpt.save_checkpoint` writes the sharded form, one file per rank, loadable on any layout.
 """
@@ -218,3 +222,5 @@ def _write(sharding, source: dict[str, Any]) -> None:
             else:
                 target.copy_(value.detach())
     sharding.republish()
+    if sharding.outer is not None:
+        sharding.outer.restart_from_main()

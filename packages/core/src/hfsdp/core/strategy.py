@@ -1,11 +1,18 @@
-"""The four sharding strategies: the vocabulary every layout is spelled in.
+"""The strategies: the vocabulary every layout is spelled in.
 
-A strategy says what one mesh axis shards. The names are Megatron's
-(`data_parallel_sharding_strategy`), so configs move between the two unchanged.
-The strategies are ordered by how much they shard; that order is what the
-outer-versus-inner rule in `config.py` compares. The names a DeepSpeed user (and
-hfsdp's own layout names) know them by, `ddp`, `zero1`, `zero2` and `zero3`, are
-accepted for them.
+A strategy says what one mesh axis does to the model's state. The four sharding
+strategies are Megatron's (`data_parallel_sharding_strategy`), so configs move
+between the two unchanged; they are ordered by how much they shard, and that
+order is what the outer-versus-inner rule in `config.py` compares.
+
+`diloco` is an outer strategy only: along its axis every instance trains apart
+(its own weights, gradients and inner optimizer state, no per-step collective)
+and the instances meet every H steps in an outer step, whose state the axis
+shards (DiLoCo, arXiv 2311.08105). It shards none of the inner kinds of state
+(level 0), so it goes over any inner strategy.
+
+The names a DeepSpeed user (and hfsdp's own layout names) know the sharding strategies
+by, `ddp`, `zero1`, `zero2` and `zero3`, are accepted for them.
 """
 
 from __future__ import annotations
@@ -15,17 +22,29 @@ from enum import StrEnum
 
 
 class Strategy(StrEnum):
-    """What one data-parallel mesh axis shards, in increasing order."""
+    """What one data-parallel mesh axis does: the four sharding strategies in increasing order, then DiLoCo."""
 
     NO_SHARD = "no_shard"
     OPTIM = "optim"
     OPTIM_GRADS = "optim_grads"
     OPTIM_GRADS_PARAMS = "optim_grads_params"
+    DILOCO = "diloco"
 
     @property
     def level(self) -> int:
-        """0 for no_shard up to 3 for optim_grads_params."""
-        return _ORDER.index(self)
+        """How much of (param, grad, optim) the axis shards: 0 for no_shard up to 3 for optim_grads_params; 0 for
+        diloco, whose instances each hold their own whole copy."""
+        return 0 if self is Strategy.DILOCO else _ORDER.index(self)
+
+    @property
+    def outer_only(self) -> bool:
+        """Whether the strategy exists only across instances (diloco): an instance's own ranks cannot train apart."""
+        return self is Strategy.DILOCO
+
+    @classmethod
+    def sharding(cls) -> tuple[Strategy, ...]:
+        """The four sharding strategies, no_shard to optim_grads_params: what an inner axis may take."""
+        return _ORDER
 
     @property
     def shards_optim(self) -> bool:
@@ -42,6 +61,8 @@ class Strategy(StrEnum):
     @property
     def zero_name(self) -> str:
         """The name a DeepSpeed or Megatron user knows this strategy by."""
+        if self is Strategy.DILOCO:
+            return "DiLoCo"
         return ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")[self.level]
 
     @classmethod
@@ -63,7 +84,7 @@ class Strategy(StrEnum):
                 return cls(alias)
             guess = difflib.get_close_matches(text, cls.names(), n=1, cutoff=0.4)
             hint = f" Did you mean '{guess[0]}'?" if guess else ""
-            raise ValueError(f"'{value}' is not a sharding strategy.{hint} Use one of {', '.join(cls.names())}.")
+            raise ValueError(f"'{value}' is not a strategy.{hint} Use one of {', '.join(cls.names())}.")
         raise ValueError(
             f"{value!r} is a {type(value).__name__}, not a strategy name; use one of {', '.join(cls.names())}."
         )
@@ -72,6 +93,6 @@ class Strategy(StrEnum):
         return self.value
 
 
-_ORDER = tuple(Strategy)
+_ORDER = tuple(s for s in Strategy if s is not Strategy.DILOCO)
 #: The names DeepSpeed and the README use (any case, with or without "-"/"_"): accepted for Megatron's own.
 ALIASES = {"ddp": "no_shard", "zero1": "optim", "zero2": "optim_grads", "zero3": "optim_grads_params"}

@@ -1,7 +1,8 @@
 """Token streams: a deterministic learnable synthetic one, and Megatron indexed datasets.
 
 Both are defined by global batch: step k's global batch is the same tokens whatever
-the layout, and data-parallel rank r's microbatch m is chunk `m * dp + r` of it.
+the layout, and data-parallel rank r's microbatch m is chunk `m * dp + r` of it (with
+instances that train apart, of their share of it: `microbatch`).
 That is what makes layouts comparable loss for loss. `split()` sets data aside for
 evaluation: sequences the training stream never shows.
 """
@@ -82,9 +83,16 @@ def _window(data: IndexedTokens, first: int, count: int) -> IndexedTokens:
     return view
 
 
-def microbatch(batch: tuple[torch.Tensor, torch.Tensor], index: int, count: int, rank: int, dp: int):
-    """Rank `rank`'s microbatch `index` of `count`: chunk `index * dp + rank` of the global batch."""
+def microbatch(
+    batch: tuple[torch.Tensor, torch.Tensor], index: int, count: int, rank: int, dp: int, instances: int = 1
+):
+    """Rank `rank`'s microbatch `index` of `count`: chunk `index * dp + rank` of the global batch.
+
+    With `instances` that train apart (DiLoCo), instance o gets the o-th 1/instances of the global
+    batch, its ranks and microbatches splitting it as above: what an instance learns from then depends
+    on the instance count alone, not on how many ranks it has (with one instance, the same chunks)."""
     tokens, labels = batch
     size = tokens.shape[0] // (count * dp)
-    chunk = index * dp + rank
+    inner = dp // instances
+    chunk = (rank // inner) * (count * inner) + index * inner + rank % inner
     return tokens[chunk * size : (chunk + 1) * size], labels[chunk * size : (chunk + 1) * size]

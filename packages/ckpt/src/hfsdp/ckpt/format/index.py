@@ -21,16 +21,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = "hfsdp-checkpoint"
-#: Version 3 adds the index's own checksum (`index.json.checksum`) and NumPy's RNG state. Version 2 recorded
+#: Version 4 adds DiLoCo's state: the `outer` record, the outer kinds and a leading instance dimension on every
+#: other kind (each instance's own weights and inner optimizer state). It is written only by a save that holds
+#: that state, so every other checkpoint stays version 3 and readable by the releases that read 3. Version 3
+#: adds the index's own checksum (`index.json.checksum`) and NumPy's RNG state. Version 2 recorded
 #: "<algorithm>:<hex>" file checksums and the unsharded module tensors; version 1 (hfsdp 0.1) bare sha256
 #: digests and no unsharded tensors. Versions 1 and 2 are read, without an index checksum.
 VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+OUTER_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 INDEX_NAME = "index.json"
 #: State kinds every checkpoint has; optimizer states come on top.
 MODEL, MAIN = "model", "main"
 #: The module's tensors the engine does not shard (persistent buffers, frozen parameters), stored whole.
 UNSHARDED = "unsharded"
+#: DiLoCo's outer state, one copy over all instances: the global weights, the outer momentum, and the anchor of a
+#: lossy exchange (the weights every instance started its cycle from).
+OUTER_MAIN, OUTER_MOMENTUM, OUTER_ANCHOR = "outer_main", "outer_momentum", "outer_anchor"
+OUTER_KINDS = (OUTER_MAIN, OUTER_MOMENTUM, OUTER_ANCHOR)
 #: The model records an index may carry: a transformers config (`config.to_dict()`), or a megatron-core GPT's
 #: `GPTShape.record()`.
 TRANSFORMERS, MEGATRON_GPT = "transformers", "megatron-gpt"
@@ -104,7 +112,10 @@ class CheckpointIndex:
     #: What model the weights belong to, {"format": "transformers" | "megatron-gpt", "config": {...}}, or None
     #: (older checkpoints, models of neither kind); `model_record.py` says what export makes of it.
     model: dict[str, Any] | None = None
-    version: int = VERSION  # the format version it was read with; always VERSION when written
+    #: DiLoCo's record (settings and the position in the cycle, `inner_steps`), or None: then no kind has an
+    #: instance dimension and there is no outer kind. See `per_instance`.
+    outer: dict[str, Any] | None = None
+    version: int = VERSION  # the format version it was read with; written: OUTER_VERSION with `outer`, else VERSION
 
     def entries(self, kind: str) -> dict[str, TensorEntry]:
         """The tensors of one state kind, or the unsharded module tensors for UNSHARDED."""
@@ -113,6 +124,21 @@ class CheckpointIndex:
     @property
     def kinds(self) -> list[str]:
         return list(self.tensors)
+
+    @property
+    def instances(self) -> int:
+        """How many copies a per-instance kind holds: the layout's instances with DiLoCo state, else 1."""
+        return self.layout.get("instances", 1) if self.outer is not None else 1
+
+    def per_instance(self, kind: str) -> bool:
+        """Whether `kind` holds one copy per instance (shape [instances, *shape], instance o's elements at
+        o * numel): every kind but the outer ones, in a checkpoint with DiLoCo state."""
+        return self.outer is not None and kind not in OUTER_KINDS
+
+    @property
+    def weights_kind(self) -> str:
+        """The kind that holds the model's weights for export: the global weights with DiLoCo state, else main."""
+        return OUTER_MAIN if self.outer is not None else MAIN
 
     def config(self):
         """The LayoutConfig the checkpoint was saved from (the schema check made sure it is a valid one)."""
@@ -123,7 +149,7 @@ class CheckpointIndex:
     def to_json(self) -> dict[str, Any]:
         out = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": OUTER_VERSION if self.outer is not None else VERSION,
             "step": self.step,
             "layout": self.layout,
             "meshes": self.meshes,
@@ -147,6 +173,8 @@ class CheckpointIndex:
         }
         if self.model is not None:  # optional: an index without it is what earlier releases wrote and read
             out["model"] = self.model
+        if self.outer is not None:
+            out["outer"] = self.outer
         return out
 
 

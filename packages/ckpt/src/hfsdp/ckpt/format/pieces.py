@@ -11,10 +11,15 @@ never disagree with the engine about who holds what.
   is written once, by the replica that has written the fewest elements so far
   (ties to the lowest rank): round-robin weighted by size, so a layer's large
   weight and small bias do not all land on the same replica.
+- With DiLoCo state a checkpoint has two sections (`Section`): the per-instance
+  kinds, where ranks of different instances are never replicas and instance o's
+  piece sits at o * numel of a tensor with the instance count in front; and the
+  outer kinds, planned over the outer state's pieces (`State.OUTER`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hfsdp.ckpt.format.index import GroupSpec
@@ -22,6 +27,16 @@ from hfsdp.core.config import LayoutConfig
 from hfsdp.core.expert_naming import expert_index
 from hfsdp.core.layout import MeshLayout, dense_layout, expert_layout
 from hfsdp.core.placement_names import State
+
+
+@dataclass(frozen=True)
+class Section:
+    """Kinds written with one plan: `plan` gives each rank's items; `instances` > 1 puts an instance dimension
+    in front of every tensor (the items' ranges are in that larger flat tensor)."""
+
+    kinds: tuple[str, ...]
+    plan: dict[int, list[WriteItem]]
+    instances: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,28 +90,75 @@ def optim_range(cfg: LayoutConfig, group: GroupSpec, coord: tuple[int, ...]) -> 
     return layout.shard_range(State.OPTIM, coord, layout.padded_numel(group.numel))
 
 
-def plan_writes(cfg: LayoutConfig, groups: list[GroupSpec]) -> dict[int, list[WriteItem]]:
+def instance_of(layout: MeshLayout, coord: tuple[int, ...]) -> int:
+    """Which instance the rank at `coord` is (its coordinate along the axes that train apart; 0 without any)."""
+    index = 0
+    for k in layout.independent_axes():
+        index = index * layout.axes[k].size + coord[k]
+    return index
+
+
+def plan_writes(
+    cfg: LayoutConfig,
+    groups: list[GroupSpec],
+    state: State = State.OPTIM,
+    per_instance: bool = False,
+    load: dict[int, int] | None = None,
+) -> dict[int, list[WriteItem]]:
     """Every rank's file contents: which flat range of which parameter it writes, in write order.
 
     Groups are walked in the given order (the canonical one: model order, expert
     groups by ep rank), so every process that plans the same structure gets the
     same answer, and an offline reshard writes exactly what an online save of the
-    target layout would.
+    target layout would. `state` says whose pieces are written (the optimizer's,
+    or DiLoCo's outer state); `per_instance` writes each instance's own copy, at
+    instance * numel. `load` (rank -> elements planned so far) carries the
+    balance over from an earlier section.
     """
     plan: dict[int, list[WriteItem]] = {r: [] for r in range(cfg.world_size)}
-    load = dict.fromkeys(range(cfg.world_size), 0)
+    load = dict.fromkeys(range(cfg.world_size), 0) if load is None else load
     for group in groups:
         layout = group_layout(cfg, group)
         padded = layout.padded_numel(group.numel)
-        replicas: dict[tuple[int, int], list[int]] = {}
+        replicas: dict[tuple[int, tuple[int, int]], list[int]] = {}
         for rank, coord in group_ranks(cfg, group):
-            replicas.setdefault(layout.shard_range(State.OPTIM, coord, padded), []).append(rank)
-        for flat_range in sorted(replicas):
+            instance = instance_of(layout, coord) if per_instance else 0
+            replicas.setdefault((instance, layout.shard_range(state, coord, padded)), []).append(rank)
+        numel = {name: math.prod(shape) for name, shape in group.members}
+        for instance, flat_range in sorted(replicas):
             for item in member_ranges(group, flat_range):
-                writer = min(replicas[flat_range], key=lambda r: (load[r], r))
-                plan[writer].append(item)
+                writer = min(replicas[instance, flat_range], key=lambda r: (load[r], r))
+                shift = instance * numel[item.name]
+                plan[writer].append(WriteItem(item.name, item.start + shift, item.stop + shift))
                 load[writer] += item.numel
     return plan
+
+
+def sections(cfg: LayoutConfig, groups: list[GroupSpec], kinds: list[str], outer: bool) -> list[Section]:
+    """The plans of a checkpoint's kinds: one plan for every kind, or with DiLoCo state (`outer`) the per-instance
+    kinds and the outer kinds (`OUTER_KINDS`), planned one after the other."""
+    from hfsdp.ckpt.format.index import OUTER_KINDS
+
+    if not outer:
+        return [Section(tuple(kinds), plan_writes(cfg, groups))]
+    load = dict.fromkeys(range(cfg.world_size), 0)
+    own = tuple(k for k in kinds if k not in OUTER_KINDS)
+    shared = tuple(k for k in kinds if k in OUTER_KINDS)
+    return [
+        Section(own, plan_writes(cfg, groups, per_instance=True, load=load), cfg.instances),
+        Section(shared, plan_writes(cfg, groups, State.OUTER, load=load)),
+    ]
+
+
+def source_range(index, kind: str, name: str, numel: int, start: int, stop: int) -> tuple[int, int]:
+    """Where elements [start, stop) of `kind` tensor `name` of a target's instance are in the source checkpoint
+    `index`: `start`/`stop` are in the target's flat tensor (instance o' at o' * numel when the target has an
+    instance dimension). Instance o' reads source instance o' mod R (a source without instances: its one copy)."""
+    target_instance, offset = divmod(start, numel)
+    if not index.per_instance(kind):
+        return offset, offset + stop - start
+    shift = (target_instance % index.instances) * numel
+    return shift + offset, shift + offset + stop - start
 
 
 def unsharded_owner(cfg: LayoutConfig, name: str) -> int:

@@ -48,7 +48,9 @@ MAX_RECORD_ITEMS = 1 << 16
 MAX_RECORD_TEXT = 1 << 16
 
 TOP_REQUIRED = ("format", "version", "step", "layout", "meshes", "groups", "tensors", "files")
-TOP_OPTIONAL = ("extra", "optimizer", "rng", "order", "unsharded", "model")
+TOP_OPTIONAL = ("extra", "optimizer", "rng", "order", "unsharded", "model", "outer")
+#: The outer record's fields: DiLoCo's settings and `inner_steps`, the optimizer steps done (the cycle position).
+OUTER_FIELDS = ("strategy", "sync_every", "lr", "momentum", "nesterov", "comm_dtype", "fragments", "inner_steps")
 
 
 def parse_index(data: Any) -> CheckpointIndex:
@@ -95,6 +97,7 @@ def parse_index(data: Any) -> CheckpointIndex:
         order=[fields.text(n, f"order[{i}]") for i, n in enumerate(fields.a_list(optional("order", []), "order"))],
         unsharded=_entries(optional("unsharded", {}), "unsharded"),
         model=parse_model_record(top.get("model")),
+        outer=_outer(top.get("outer"), version),
         version=version,
     )
 
@@ -119,6 +122,36 @@ def _layout(value: Any) -> dict[str, Any]:
     except ConfigError as err:
         raise SchemaError(f"layout is not a valid layout: {'; '.join(p.message for p in err.problems)}") from None
     return dict(layout)
+
+
+def _outer(value: Any, version: int) -> dict[str, Any] | None:
+    """DiLoCo's record: present exactly in format 4, with valid settings (`DiLoCoConfig`'s rules) and the number of
+    optimizer steps done."""
+    from hfsdp.core.config import ConfigError  # torch-free
+    from hfsdp.core.outer_config import DiLoCoConfig
+
+    if version < 4:
+        if value is not None:
+            raise SchemaError(f"it has an outer record, which format version {version} does not define")
+        return None
+    if value is None:
+        raise SchemaError("it is format version 4 but has no outer record (DiLoCo's state, which 4 is about)")
+    record = fields.an_object(value, "outer", OUTER_FIELDS, ())
+    if record["strategy"] != "diloco":
+        raise SchemaError(f"outer.strategy is {fields.show(record['strategy'])}, where the format has 'diloco'")
+    settings = {k: record[k] for k in OUTER_FIELDS if k not in ("strategy", "inner_steps")}
+    for name in ("comm_dtype",):
+        fields.text(settings[name], f"outer.{name}", 16)
+    for name in ("sync_every", "fragments"):
+        fields.whole(settings[name], f"outer.{name}", MAX_LAYOUT_INT)
+    for name in ("lr", "momentum"):
+        fields.finite(settings[name], f"outer.{name}")
+    fields.true_or_false(settings["nesterov"], "outer.nesterov")
+    try:
+        DiLoCoConfig(**settings)
+    except ConfigError as err:
+        raise SchemaError(f"outer is not a valid DiLoCo record: {'; '.join(p.message for p in err.problems)}") from None
+    return {**record, "inner_steps": fields.whole(record["inner_steps"], "outer.inner_steps")}
 
 
 def _meshes(value: Any) -> dict[str, Any]:

@@ -7,6 +7,9 @@ exactly the group's parameters with the group's shapes; the pieces of every
 tensor cover its elements exactly once, each in a file the index lists and
 under a key no other piece uses; the RNG records belong to ranks of the
 layout and name listed files; the optimizer's states are kinds the index has.
+With DiLoCo state (format 4) every kind but the outer ones has one copy per
+instance, its shape the group's with the number of instances in front, and
+the outer kinds are the group's shapes; without it, no outer kind exists.
 
 Every reader (verify, inspect, load, reshard, export) gets its index from
 `index_file.read_index`, which runs this right after the schema, so they all
@@ -16,7 +19,7 @@ the files hold what the index says is checked next, by `files.check_files`.
 
 from __future__ import annotations
 
-from hfsdp.ckpt.format.index import MAIN, MODEL, UNSHARDED, CheckpointIndex, TensorEntry
+from hfsdp.ckpt.format.index import MAIN, MODEL, OUTER_KINDS, OUTER_MAIN, UNSHARDED, CheckpointIndex, TensorEntry
 from hfsdp.ckpt.format.schema import SchemaError
 
 
@@ -31,17 +34,19 @@ def check_structure(index: CheckpointIndex) -> None:
         raise SchemaError("its tensor order does not list each of its tensors exactly once")
     if MAIN not in index.tensors:
         raise SchemaError(f"it has no '{MAIN}' state kind (the fp32 weights every checkpoint holds)")
+    _check_outer(index)
     for kind, entries in index.tensors.items():
         if set(entries) != set(shapes):
             odd = sorted(set(entries) ^ set(shapes))[0]
             if odd in shapes:
                 raise SchemaError(f"its '{kind}' tensors lack '{odd}', which the group structure lists")
             raise SchemaError(f"it has a '{kind}' tensor '{odd}', which the group structure lacks")
+        lead = (index.instances,) if index.per_instance(kind) else ()
         for name, entry in entries.items():
-            if entry.shape != shapes[name]:
+            if entry.shape != (*lead, *shapes[name]):
                 raise SchemaError(
                     f"it gives '{kind}' tensor '{name}' shape {list(entry.shape)} but its group lists "
-                    f"{list(shapes[name])}"
+                    f"{list(shapes[name])}" + (f" for each of {lead[0]} instances" if lead else "")
                 )
     used: set[tuple[str, str]] = set()
     for kind in [*index.tensors, UNSHARDED]:
@@ -49,6 +54,21 @@ def check_structure(index: CheckpointIndex) -> None:
             _check_pieces(index, kind, name, entry, used)
     _check_rng(index)
     _check_optimizer(index)
+
+
+def _check_outer(index: CheckpointIndex) -> None:
+    """DiLoCo state belongs to a 'diloco' layout and holds the global weights; without it there is no outer kind."""
+    present = [k for k in OUTER_KINDS if k in index.tensors]
+    if index.outer is None:
+        if present:
+            raise SchemaError(f"it has the outer state kind '{present[0]}' but no outer record")
+        return
+    if index.layout.get("outer") != "diloco":
+        raise SchemaError(f"it has an outer record but its layout's outer strategy is {index.layout.get('outer')!r}")
+    if OUTER_MAIN not in index.tensors:
+        raise SchemaError(f"its outer record has no '{OUTER_MAIN}' state kind (the global weights)")
+    if index.optimizer is not None and any(s in OUTER_KINDS for s in index.optimizer["states"]):
+        raise SchemaError("its optimizer record lists an outer state kind as an optimizer state")
 
 
 def _group_shapes(index: CheckpointIndex) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""`verify`: is this checkpoint exactly what its index says? `inspect`: what does it hold?
+"""`verify`: is this checkpoint exactly what its index says? `inspect`: what does it hold (with DiLoCo state,
+its settings and place in the cycle, `outer`)?
 
 Both read the index through `index_file.read_index`, the gate every reader
 passes: the index's own checksum, then its schema and its structure (every
@@ -14,6 +15,7 @@ Neither needs torch or megatron-core: the CLI answers in a fraction of a second.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +47,16 @@ def inspect(path: str | Path) -> dict[str, Any]:
     ckpt_dir = resolve(path)
     index = read_index(ckpt_dir)
     tensors = []
+    lead = 1 if index.per_instance(MAIN) else 0  # DiLoCo state: one copy per instance of the per-instance kinds
     for name, main in index.tensors[MAIN].items():
         dtypes = {kind: entries[name].dtype for kind, entries in index.tensors.items()}
         tensors.append(
             {
                 "name": name,
-                "shape": list(main.shape),
-                "numel": main.numel,
+                "shape": list(main.shape)[lead:],
+                "numel": math.prod(main.shape[lead:]),
                 "dtypes": dtypes,
-                "bytes": main.numel * sum(itemsize(d) for d in dtypes.values()),  # all kinds together
+                "bytes": sum(e[name].numel * itemsize(e[name].dtype) for e in index.tensors.values()),  # all kinds
                 "pieces": len(main.pieces),
             }
         )
@@ -65,6 +68,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "layout": {**index.layout, "name": index.config().layout_name},
         "meshes": index.meshes,
         "optimizer": index.optimizer,
+        "outer": index.outer,
         "extra": index.extra,
         "model": index.model,
         "kinds": index.kinds,

@@ -11,6 +11,15 @@ step, so parameters and main weights always agree and a same-layout resume is
 bit-identical. The module's unsharded tensors (persistent buffers, frozen
 parameters) are read whole and copied into the module on every rank.
 
+DiLoCo: a rank of instance o' reads the per-instance kinds of source instance
+o' mod R (`pieces.source_range`; a checkpoint without instances has one copy, and
+a model without DiLoCo is instance 0), and its piece of the outer state (the
+global weights, the outer momentum, the anchor of a lossy exchange over its
+optimizer piece; without an anchor in the checkpoint, the global weights, which
+an exact exchange leaves every instance with). The optimizer steps done come back
+with them, so each fragment resumes at its place in the cycle. A checkpoint
+without DiLoCo state starts the outer step fresh from the loaded weights.
+
 Before anything is touched, the checkpoint passes every reader's checks: the
 index through `index_file.read_index` (its checksum, schema and structure),
 every file's presence and size, and for the files this rank reads their
@@ -31,8 +40,17 @@ import torch.distributed as dist
 
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.files import check_files, check_present
-from hfsdp.ckpt.format.index import MAIN, UNSHARDED, CheckpointIndex
+from hfsdp.ckpt.format.index import (
+    MAIN,
+    OUTER_ANCHOR,
+    OUTER_KINDS,
+    OUTER_MAIN,
+    OUTER_MOMENTUM,
+    UNSHARDED,
+    CheckpointIndex,
+)
 from hfsdp.ckpt.format.index_file import read_index
+from hfsdp.ckpt.format.pieces import instance_of, source_range
 from hfsdp.ckpt.format.store import resolve
 from hfsdp.ckpt.live import optim_state
 from hfsdp.ckpt.live import rng as rng_states
@@ -70,6 +88,10 @@ def load_checkpoint(
     states = agree(lambda: _fill(ckpt_dir, index, model, module_tensors, plan))
 
     model.republish()  # collective: every rank, every group, model order
+    if model.outer is not None:
+        if index.outer is None:
+            model.outer.restart_from_main()
+        model.outer.steps = index.outer["inner_steps"] if index.outer is not None else 0
     if optimizer is not None:
         optim_state.restore(optimizer, model, index.optimizer, states)
     if rng is not None:
@@ -87,7 +109,8 @@ def _open(path) -> tuple[Path, CheckpointIndex]:
 def _check_model(ckpt_dir: Path, index: CheckpointIndex, gathered) -> None:
     """The model and the checkpoint must have the same parameters with the same shapes."""
     model_shapes = {name: tuple(shape) for members in gathered for name, shape in members}
-    saved = {name: tuple(entry.shape) for name, entry in index.tensors.get(MAIN, {}).items()}
+    lead = 1 if index.per_instance(MAIN) else 0  # DiLoCo state: the instances in front
+    saved = {name: tuple(entry.shape)[lead:] for name, entry in index.tensors.get(MAIN, {}).items()}
     _same_tensors(ckpt_dir, model_shapes, saved, "parameter")
 
 
@@ -142,10 +165,17 @@ def _prepare(
     for piece in model.main_params:
         if not piece.holds:
             continue
-        plan.append((MAIN, piece.name, piece.start, piece.param.detach().view(-1)))  # read in place
+        numel, instance = piece.shape.numel(), instance_of(piece.group.layout, piece.group.coord)
+
+        def start(kind: str, piece=piece, numel=numel, instance=instance) -> int:
+            first = instance * numel + piece.start
+            return source_range(index, kind, piece.name, numel, first, first + piece.param.numel())[0]
+
+        plan.append((MAIN, piece.name, start(MAIN), piece.param.detach().view(-1)))  # read in place
         for kind in states:
             dtype = torch_dtype(index.tensors[kind][piece.name].dtype)
-            plan.append((kind, piece.name, piece.start, torch.empty(piece.param.numel(), dtype=dtype)))
+            plan.append((kind, piece.name, start(kind), torch.empty(piece.param.numel(), dtype=dtype)))
+    plan += _outer_plan(index, model)
     for name, tensor in module_tensors.items():
         plan.append((UNSHARDED, name, 0, torch.empty(tensor.numel(), dtype=torch_dtype(index.unsharded[name].dtype))))
     reader = CheckpointReader(ckpt_dir, index)
@@ -157,6 +187,28 @@ def _prepare(
     return plan, rng_states.read(ckpt_dir, rng_meta) if rng_meta else None
 
 
+def _outer_plan(index: CheckpointIndex, model) -> list:
+    """What this rank reads of DiLoCo's outer state, in place: the global weights and the momentum over its outer
+    piece, the anchor over its optimizer piece (the global weights where the checkpoint keeps no anchor)."""
+    if model.outer is None or index.outer is None:
+        return []
+    plan = []
+    for piece in model.outer.pieces():
+        state, numel = piece.state, piece.stop - piece.start
+        plan.append((OUTER_MAIN, piece.name, piece.start, state.theta.detach()[piece.offset : piece.offset + numel]))
+        momentum = model.outer.momentum(state)
+        if momentum is not None and OUTER_MOMENTUM in index.tensors:
+            plan.append((OUTER_MOMENTUM, piece.name, piece.start, momentum[piece.offset : piece.offset + numel]))
+    anchor_kind = OUTER_ANCHOR if OUTER_ANCHOR in index.tensors else OUTER_MAIN
+    states = {id(s.group): s for s in model.outer.states}
+    for piece in model.main_params:
+        state = states[id(piece.group)]
+        if piece.holds and state.anchor is not None:
+            numel = piece.stop - piece.start
+            plan.append((anchor_kind, piece.name, piece.start, state.anchor[piece.offset : piece.offset + numel]))
+    return plan
+
+
 def _fill(ckpt_dir: Path, index: CheckpointIndex, model, module_tensors, plan) -> dict[tuple[str, str], torch.Tensor]:
     """Read the planned ranges into the main weights and the module's unsharded tensors; return the optimizer
     states read, by (kind, global name)."""
@@ -165,10 +217,15 @@ def _fill(ckpt_dir: Path, index: CheckpointIndex, model, module_tensors, plan) -
     with CheckpointReader(ckpt_dir, index) as reader, torch.no_grad():
         for group in model.groups:
             group.main.zero_()  # padding stays zero
+        if model.outer is not None and index.outer is not None:
+            for state in model.outer.states:
+                for tensor in (state.theta.detach(), model.outer.momentum(state), state.anchor):
+                    if tensor is not None:
+                        tensor.zero_()
         for kind, name, start, out in plan:
             reader.read_into(kind, name, start, out)
             if kind == UNSHARDED:
                 module_tensors[name].copy_(out.view(module_tensors[name].shape))
-            elif kind != MAIN:
+            elif kind != MAIN and kind not in OUTER_KINDS:
                 states[kind, name] = out
     return states

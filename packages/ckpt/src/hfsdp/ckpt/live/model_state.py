@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hfsdp.ckpt.format.errors import CheckpointError
-from hfsdp.ckpt.format.index import MAIN, MODEL, GroupSpec
+from hfsdp.ckpt.format.index import MAIN, MODEL, OUTER_ANCHOR, OUTER_MAIN, OUTER_MOMENTUM, GroupSpec
 from hfsdp.ckpt.tensors.writer import dtype_name
 from hfsdp.core.main_params import piece_of
 from hfsdp.core.sharding import Sharding, sharding_of
@@ -95,6 +95,43 @@ def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
+def outer_kinds(model) -> list[str]:
+    """DiLoCo's state kinds this model holds: the global weights, the momentum (when there is one), the anchor
+    (a lossy exchange); none without DiLoCo."""
+    model = engine_of(model)
+    if model.outer is None:
+        return []
+    config = model.outer.config
+    momentum = [OUTER_MOMENTUM] if config.momentum > 0 else []
+    return [OUTER_MAIN, *momentum, *([OUTER_ANCHOR] if config.anchored else [])]
+
+
+def outer_record(model) -> dict | None:
+    """The index's outer record: DiLoCo's settings and the optimizer steps done (where each fragment is in its
+    cycle), or None without DiLoCo."""
+    model = engine_of(model)
+    if model.outer is None:
+        return None
+    return {"strategy": "diloco", **model.outer.config.to_dict(), "inner_steps": model.outer.steps}
+
+
+def outer_tensors(model) -> dict[tuple[str, str], torch.Tensor]:
+    """This rank's piece of DiLoCo's outer state (its outer piece of each parameter), by (kind, global name)."""
+    model = engine_of(model)
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    if model.outer is None:
+        return out
+    for piece in model.outer.pieces():
+        state, numel = piece.state, piece.stop - piece.start
+        out[OUTER_MAIN, piece.name] = state.theta.detach()[piece.offset : piece.offset + numel]
+        momentum = model.outer.momentum(state)
+        if momentum is not None:
+            out[OUTER_MOMENTUM, piece.name] = momentum[piece.offset : piece.offset + numel]
+        if state.anchor is not None:
+            out[OUTER_ANCHOR, piece.name] = state.anchor[state.within][piece.offset : piece.offset + numel]
+    return out
+
+
 def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -> dict[tuple[str, str], torch.Tensor]:
     """This rank's piece of each tensor, by (kind, global name), as 1-D tensors, in model order.
 
@@ -120,4 +157,5 @@ def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and (kinds is None or key in kinds):
                     out[key, piece.name] = value.detach().view(-1)
+    out.update(outer_tensors(model))
     return out

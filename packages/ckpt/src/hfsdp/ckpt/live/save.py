@@ -12,6 +12,11 @@
    `ROOT/latest`.
 4. Rank 0 tells everyone how it went, so every rank returns or raises together.
 
+With DiLoCo every instance's own weights and inner optimizer state are written
+(per-instance kinds: ranks of different instances are not replicas), and the
+outer state once over all instances (`pieces.sections`); the index records the
+settings and the optimizer steps done, so a resume continues mid-cycle exactly.
+
 A crash before the rename leaves only a hidden temporary directory (removed by
 the next save); a crash after it leaves a complete checkpoint that `latest`
 does not name yet: unpublished (`store.py`). Readers of the root keep using the
@@ -37,13 +42,21 @@ from hfsdp.ckpt.format.index import MAIN, MODEL, CheckpointIndex, TensorEntry, m
 from hfsdp.ckpt.format.index_file import write_index
 from hfsdp.ckpt.format.model_record import checked_record
 from hfsdp.ckpt.format.names import entry_kind
-from hfsdp.ckpt.format.pieces import file_name, plan_writes, unsharded_owner
+from hfsdp.ckpt.format.pieces import file_name, sections, unsharded_owner
 from hfsdp.ckpt.format.staging import Staging, clean_stale, publish_dir, remove_quietly, staging_pattern
 from hfsdp.ckpt.format.store import LATEST, TMP_PREFIX, atomic_write_text, is_unpublished, latest_step, step_dir_name
 from hfsdp.ckpt.live import optim_state
 from hfsdp.ckpt.live import rng as rng_states
 from hfsdp.ckpt.live.agree import agree, as_checkpoint_error
-from hfsdp.ckpt.live.model_state import engine_of, local_groups, local_order, piece_tensors, unsharded_state
+from hfsdp.ckpt.live.model_state import (
+    engine_of,
+    local_groups,
+    local_order,
+    outer_kinds,
+    outer_record,
+    piece_tensors,
+    unsharded_state,
+)
 from hfsdp.ckpt.tensors.build import file_entries, index_tensors, index_unsharded, plan_unsharded
 from hfsdp.ckpt.tensors.writer import TensorFileWriter, dtype_name
 
@@ -90,10 +103,10 @@ def save_checkpoint(
     groups = canonical_groups([r[0] for r in reports], model.config.ep)
     order = merged_order([reports[e][1] for e in range(model.config.ep)])
     unsharded = agree(lambda: _unsharded_specs(model.config, [r[2] for r in reports]))
-    plan = plan_writes(model.config, groups)
     optim_record = agree(lambda: optim_state.merge_reports([r[3] for r in reports]))
-    kinds = [MODEL, MAIN, *(optim_record["states"] if optim_record else [])]
-    dtypes = _dtypes(groups, optim_state.state_dtypes([r[3] for r in reports]))
+    kinds = [MODEL, MAIN, *(optim_record["states"] if optim_record else []), *outer_kinds(model)]
+    plan = sections(model.config, groups, kinds, model.outer is not None)
+    dtypes = _dtypes(groups, optim_state.state_dtypes([r[3] for r in reports]), outer_kinds(model))
 
     stage = _make_staging(root, final, step) if rank == 0 else None
     tmp_name = [stage.path.name if isinstance(stage, Staging) else stage]
@@ -105,7 +118,7 @@ def save_checkpoint(
         try:
             rng = rng_states.capture() if save_rng else ({}, {})
             owned = {name: module_tensors[name] for name in plan_unsharded(model.config, unsharded).get(rank, {})}
-            result: Any = _write_rank_file(tmp, model, optimizer, rank, plan[rank], kinds, dtypes, rng, owned)
+            result: Any = _write_rank_file(tmp, model, optimizer, rank, plan, kinds, dtypes, rng, owned)
         except Exception as err:
             reason = err if isinstance(err, CheckpointError | OSError) else f"{type(err).__name__}: {err}"
             result = CheckpointError(
@@ -130,8 +143,9 @@ def save_checkpoint(
                     order=order,
                     unsharded=index_unsharded(model.config, unsharded),
                     model=record,
+                    outer=outer_record(model),
                 )
-                status[0] = _publish(root, tmp, final, index, (plan, kinds, dtypes), results)
+                status[0] = _publish(root, tmp, final, index, (plan, dtypes), results)
             except Exception as err:  # never leave the other ranks waiting for the broadcast
                 remove_quietly(tmp)
                 status[0] = as_checkpoint_error(err)
@@ -171,9 +185,9 @@ def _make_staging(root: Path, final: Path, step: int) -> Staging | CheckpointErr
         return CheckpointError(f"Cannot create a checkpoint directory in {root} ({err}); check the path and rights.")
 
 
-def _dtypes(groups, state_dtypes: dict[str, str]) -> dict[tuple[str, str], str]:
-    """dtype of every (kind, global name): the group's compute dtype for "model", fp32 for "main", the
-    optimizer's for its states."""
+def _dtypes(groups, state_dtypes: dict[str, str], outer: list[str]) -> dict[tuple[str, str], str]:
+    """dtype of every (kind, global name): the group's compute dtype for "model", fp32 for "main" and DiLoCo's
+    `outer` kinds, the optimizer's for its states."""
     out = {}
     for group in groups:
         for name, _ in group.members:
@@ -181,6 +195,8 @@ def _dtypes(groups, state_dtypes: dict[str, str]) -> dict[tuple[str, str], str]:
             out[MAIN, name] = "float32"
             for kind, dtype in state_dtypes.items():
                 out[kind, name] = dtype
+            for kind in outer:
+                out[kind, name] = "float32"
     return out
 
 
@@ -211,20 +227,21 @@ def _unsharded_specs(cfg, reports: list[dict[str, TensorEntry]]) -> dict[str, Te
     return merged
 
 
-def _write_rank_file(tmp, model, optimizer, rank, items, kinds, dtypes, rng, owned) -> dict[str, Any] | None:
-    """Stream this rank's planned pieces of every kind, the unsharded tensors it owns (`owned`: global name ->
-    module tensor), then its RNG state (`rng`: the tensors and index record of `rng.capture`); return the file's
-    metadata and its RNG record."""
+def _write_rank_file(tmp, model, optimizer, rank, planned, kinds, dtypes, rng, owned) -> dict[str, Any] | None:
+    """Stream this rank's planned pieces of every kind (section by section), the unsharded tensors it owns
+    (`owned`: global name -> module tensor), then its RNG state (`rng`: the tensors and index record of
+    `rng.capture`); return the file's metadata and its RNG record."""
     rng, rng_meta = rng
-    entries = file_entries(items, kinds, dtypes, rng, _specs(owned))
+    entries = file_entries(rank, planned, dtypes, rng, _specs(owned))
     if not entries:
         return None
     local = piece_tensors(model, optimizer, tuple(kinds))
     writer = TensorFileWriter(tmp / file_name(rank), entries)
     try:
-        for kind in kinds:
-            for it in items:  # each planned item is one of this rank's pieces
-                writer.write(local[kind, it.name])
+        for section in planned:
+            for kind in section.kinds:
+                for it in section.plan[rank]:  # each planned item is one of this rank's pieces
+                    writer.write(local[kind, it.name])
         for tensor in owned.values():
             writer.write(tensor.detach())
         for tensor in rng.values():
@@ -254,8 +271,8 @@ def _publish(root, tmp, final, index, planned, results) -> CheckpointError | Non
             files[result["file"]] = result["entry"]
             if result["rng"] is not None:
                 rng[str(rank)] = result["rng"]
-        plan, kinds, dtypes = planned
-        index.tensors = index_tensors(plan, index.groups, kinds, dtypes, has_file)
+        plan, dtypes = planned
+        index.tensors = index_tensors(plan, index.groups, dtypes, has_file)
         index.files, index.rng = dict(sorted(files.items())), rng
         write_index(tmp, index)
         if os.path.lexists(final):  # the orphan of a crashed save of this step (checked in _make_staging)

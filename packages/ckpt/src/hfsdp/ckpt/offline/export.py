@@ -46,7 +46,7 @@ import torch
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.files import check_files
 from hfsdp.ckpt.format.groups import model_order
-from hfsdp.ckpt.format.index import MAIN, TRANSFORMERS, UNSHARDED, CheckpointIndex
+from hfsdp.ckpt.format.index import TRANSFORMERS, UNSHARDED, CheckpointIndex
 from hfsdp.ckpt.format.index_file import read_index
 from hfsdp.ckpt.format.staging import check_apart, ensure_absent, staged_dir
 from hfsdp.ckpt.format.store import resolve
@@ -221,8 +221,8 @@ class _Exported:
 def _exported(index, name: str, shape: tuple[int, ...], source: str, ranges, target: torch.dtype) -> _Exported:
     """Parameters come from the fp32 main weights, cast to `target`; unsharded module tensors from their own
     copy, floating ones cast to `target` and the others (counters, masks) kept as they are."""
-    if source not in index.unsharded:
-        return _Exported(name, shape, MAIN, source, tuple(ranges), target)
+    if source not in index.unsharded:  # with DiLoCo state: the global weights
+        return _Exported(name, shape, index.weights_kind, source, tuple(ranges), target)
     own = torch_dtype(index.unsharded[source].dtype)
     return _Exported(name, shape, UNSHARDED, source, tuple(ranges), target if own.is_floating_point else own)
 

@@ -10,10 +10,19 @@ reader's checks (its index through `index_file.read_index`, its files through
 must lie apart from the source. The result is written into a hidden directory
 next to DST, read back and checksummed again, and renamed into place only when
 complete, so no failure leaves a DST behind and the source is never written.
+
+DiLoCo state: the outer kinds are one copy over all instances and reshard like
+any tensor; each target instance o' takes the per-instance kinds of source
+instance o' mod R (its weights and inner optimizer state: with R unchanged,
+instance for instance; at a sync boundary every instance holds the global
+weights, so only the inner optimizer state is duplicated or dropped). A target
+without DiLoCo is one instance, instance 0, and drops the outer state; a source
+without it gives a target without it, whose load starts the outer step fresh.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +30,9 @@ from pathlib import Path
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.files import check_files
 from hfsdp.ckpt.format.groups import retarget_groups
-from hfsdp.ckpt.format.index import CheckpointIndex, meshes_of
+from hfsdp.ckpt.format.index import OUTER_KINDS, CheckpointIndex, meshes_of
 from hfsdp.ckpt.format.index_file import read_index, write_index
+from hfsdp.ckpt.format.pieces import source_range
 from hfsdp.ckpt.format.staging import check_apart, ensure_absent, staged_dir
 from hfsdp.ckpt.format.store import resolve
 from hfsdp.ckpt.live import rng as rng_states
@@ -65,21 +75,25 @@ def reshard(
     piece = slice_bytes(memory_budget_bytes, io_threads)
     check_files(src_dir, index, threads=io_threads, chunk=min(8 << 20, piece))
     groups = retarget_groups(index.groups, index.layout.get("num_moe_experts"), target.ep)
+    outer = index.outer is not None and target.outer.value == "diloco"
+    kinds = [k for k in index.kinds if outer or k not in OUTER_KINDS]
+    numel = {name: math.prod(shape) for g in groups for name, shape in g.members}
 
     with staged_dir(dst, "reshard") as tmp:
         tensors, unsharded, files = write_layout(
             tmp,
             target,
             groups,
-            index.kinds,
+            kinds,
             {(k, n): t.dtype for k, entries in index.tensors.items() for n, t in entries.items()},
-            lambda: CheckpointReader(src_dir, index, max_mapped_bytes=piece),
+            lambda: _InstanceSource(CheckpointReader(src_dir, index, max_mapped_bytes=piece), index, numel),
             rng=_same_rank_rng(src_dir, index, target),
             unsharded=index.unsharded,
             io_threads=io_threads,
             memory_budget_bytes=memory_budget_bytes,
             progress=progress,
             verify_written=verify_result,
+            outer=outer,
         )
         out = CheckpointIndex(
             step=index.step,
@@ -94,10 +108,27 @@ def reshard(
             order=list(index.order),
             unsharded=unsharded,
             model=index.model,
+            outer=dict(index.outer) if outer else None,
         )
         write_index(tmp, out)
     total = sum(f.bytes for f in files.values())
     return ReshardResult(src_dir, dst, total, len(files), time.perf_counter() - started)
+
+
+class _InstanceSource:
+    """The source checkpoint asked for a target's ranges: instance o' of a per-instance kind reads source instance
+    o' mod R (`pieces.source_range`); everything else as it is."""
+
+    def __init__(self, reader: CheckpointReader, index: CheckpointIndex, numel: dict[str, int]):
+        self.reader, self.index, self.numel = reader, index, numel
+
+    def chunks(self, kind: str, name: str, start: int, stop: int, max_elems: int):
+        if name in self.numel:
+            start, stop = source_range(self.index, kind, name, self.numel[name], start, stop)
+        return self.reader.chunks(kind, name, start, stop, max_elems)
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 def _check_target(src_dir: Path, index: CheckpointIndex, target: LayoutConfig) -> None:

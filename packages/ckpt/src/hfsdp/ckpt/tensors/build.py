@@ -1,9 +1,9 @@
 """Writing a layout's files from any source of flat ranges: the shared back half of save, reshard and import.
 
 `file_entries` fixes what one rank's file holds and in which order (every kind of
-each planned piece, then the unsharded module tensors it owns, then the rank's
-RNG state); `index_tensors` and `index_unsharded` turn a plan into the index's
-piece lists. The online save and the offline writer below both
+each planned piece, section by section, then the unsharded module tensors it owns,
+then the rank's RNG state); `index_tensors` and `index_unsharded` turn a plan into
+the index's piece lists. The online save and the offline writer below both
 use them, which is why a reshard writes exactly what an online save of the
 target layout would.
 
@@ -28,7 +28,7 @@ from hfsdp.ckpt.format.dtypes import itemsize
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.files import checksum_like
 from hfsdp.ckpt.format.index import UNSHARDED, FileEntry, GroupSpec, Piece, TensorEntry
-from hfsdp.ckpt.format.pieces import WriteItem, file_name, plan_writes, tensor_key, unsharded_owner
+from hfsdp.ckpt.format.pieces import Section, file_name, sections, tensor_key, unsharded_owner
 from hfsdp.ckpt.tensors.writer import TensorFileWriter
 from hfsdp.core.config import LayoutConfig
 
@@ -42,17 +42,22 @@ class RangeSource(Protocol):
 
 
 def file_entries(
-    items: list[WriteItem],
-    kinds: list[str],
+    rank: int,
+    planned: list[Section],
     dtypes: Dtypes,
     rng: dict[str, torch.Tensor] | None,
     unsharded: dict[str, TensorEntry] | None = None,
 ):
-    """(key, dtype, shape) of everything one rank's file holds, in file order.
+    """(key, dtype, shape) of everything rank `rank`'s file holds, in file order.
 
     `unsharded` are the whole module tensors this rank writes, stored flat.
     """
-    entries = [(tensor_key(k, it.name), dtypes[k, it.name], (it.numel,)) for k in kinds for it in items]
+    entries = [
+        (tensor_key(k, it.name), dtypes[k, it.name], (it.numel,))
+        for section in planned
+        for k in section.kinds
+        for it in section.plan[rank]
+    ]
     entries += [(tensor_key(UNSHARDED, name), t.dtype, (t.numel,)) for name, t in (unsharded or {}).items()]
     entries += [(key, "uint8", (t.numel(),)) for key, t in (rng or {}).items()]
     return entries
@@ -79,17 +84,23 @@ def index_unsharded(cfg: LayoutConfig, unsharded: dict[str, TensorEntry]) -> dic
 
 
 def index_tensors(
-    plan: dict[int, list[WriteItem]], groups: list[GroupSpec], kinds: list[str], dtypes: Dtypes, has_file: set[int]
+    planned: list[Section], groups: list[GroupSpec], dtypes: Dtypes, has_file: set[int]
 ) -> dict[str, dict[str, TensorEntry]]:
-    """The index's tensors: per kind and global name, shape, dtype and pieces sorted by flat start."""
+    """The index's tensors: per kind and global name, shape (the instances in front, for a per-instance section),
+    dtype and pieces sorted by flat start."""
     shapes = {name: shape for g in groups for name, shape in g.members}
-    tensors = {k: {name: TensorEntry(shape, dtypes[k, name]) for name, shape in shapes.items()} for k in kinds}
-    for rank, items in plan.items():
-        if rank not in has_file:
-            continue
-        for k in kinds:
-            for it in items:
-                tensors[k][it.name].pieces.append(Piece(file_name(rank), tensor_key(k, it.name), it.start, it.stop))
+    tensors = {}
+    for section in planned:
+        lead = (section.instances,) if section.instances > 1 else ()
+        for k in section.kinds:
+            tensors[k] = {name: TensorEntry((*lead, *shape), dtypes[k, name]) for name, shape in shapes.items()}
+        for rank, items in section.plan.items():
+            if rank not in has_file:
+                continue
+            for k in section.kinds:
+                for it in items:
+                    key = tensor_key(k, it.name)
+                    tensors[k][it.name].pieces.append(Piece(file_name(rank), key, it.start, it.stop))
     for entries in tensors.values():
         for entry in entries.values():
             entry.pieces.sort(key=lambda p: p.start)
@@ -120,23 +131,26 @@ def write_layout(
     memory_budget_bytes: int = 256 << 20,
     progress: Progress | None = None,
     verify_written: bool = False,
+    outer: bool = False,
 ) -> tuple[dict[str, dict[str, TensorEntry]], dict[str, TensorEntry], dict[str, FileEntry]]:
     """Write every rank's file of layout `cfg` into `out_dir`; return the index's tensors, unsharded and files.
 
     `unsharded` (global name -> shape and dtype) are the whole module tensors,
-    read from the source under the kind UNSHARDED. With `verify_written`, each
-    file is read back and checksummed as soon as it is complete, while other
-    threads still write: the check overlaps the work.
+    read from the source under the kind UNSHARDED. `outer`: the target holds
+    DiLoCo state (per-instance kinds and the outer kinds, `pieces.sections`); the
+    source is asked for the target's ranges. With `verify_written`, each file is
+    read back and checksummed as soon as it is complete, while other threads
+    still write: the check overlaps the work.
     """
-    plan = plan_writes(cfg, groups)
+    planned = sections(cfg, groups, kinds, outer)
     unsharded = unsharded or {}
     owned = plan_unsharded(cfg, unsharded)
     rng = rng or {}
     jobs = []
-    for rank, items in plan.items():
-        entries = file_entries(items, kinds, dtypes, rng.get(rank), owned.get(rank))
+    for rank in range(cfg.world_size):
+        entries = file_entries(rank, planned, dtypes, rng.get(rank), owned.get(rank))
         if entries:
-            jobs.append((rank, items, entries))
+            jobs.append((rank, [(k, it) for sec in planned for k in sec.kinds for it in sec.plan[rank]], entries))
     total = sum(_nbytes(e) for _, _, e in jobs)
     chunk_bytes = slice_bytes(memory_budget_bytes, io_threads)
     done, lock = [0], threading.Lock()
@@ -162,10 +176,9 @@ def write_layout(
                 del chunk
 
         try:
-            for kind in kinds:
-                for it in items:
-                    max_elems = max(1, chunk_bytes // itemsize(dtypes[kind, it.name]))
-                    copy(source.chunks(kind, it.name, it.start, it.stop, max_elems))
+            for kind, it in items:
+                max_elems = max(1, chunk_bytes // itemsize(dtypes[kind, it.name]))
+                copy(source.chunks(kind, it.name, it.start, it.stop, max_elems))
             for name, entry in owned.get(rank, {}).items():
                 max_elems = max(1, chunk_bytes // itemsize(entry.dtype))
                 copy(source.chunks(UNSHARDED, name, 0, entry.numel, max_elems))
@@ -187,7 +200,7 @@ def write_layout(
         files = dict(pool.map(write_one, jobs))
     if progress is not None:
         progress(total, total)
-    tensors = index_tensors(plan, groups, kinds, dtypes, {rank for rank, _, _ in jobs})
+    tensors = index_tensors(planned, groups, dtypes, {rank for rank, _, _ in jobs})
     return tensors, index_unsharded(cfg, unsharded), dict(sorted(files.items()))
 
 

@@ -89,6 +89,7 @@ def shard_megatron_model(
     offload: bool = False,
     reshard_root_after_forward: bool = False,
     streams=None,
+    diloco=None,
 ) -> torch.nn.Module:
     """Shard a GPTModel in place: each transformer layer is a unit, the root holds embeddings and output layer.
 
@@ -109,4 +110,5 @@ def shard_megatron_model(
         offload=offload,
         reshard_root_after_forward=reshard_root_after_forward,
         streams=streams,
+        diloco=diloco,
     )
