@@ -23,7 +23,10 @@ from hfsdp.planning.model_shape import ModelShape
 from hfsdp.planning.timing import StepTime, step_time
 from hfsdp.planning.traffic import step_bytes
 
-PAIRS = [(o, i) for o, i in itertools.product(Strategy, Strategy) if o.level <= i.level]
+#: The synchronous layouts: every step reduces over every axis, so each computes the same update and they compete on
+#: time and memory alone. DiLoCo changes the optimisation (the instances meet every H steps), so it is not a
+#: candidate among them.
+PAIRS = [(o, i) for o, i in itertools.product(Strategy.sharding(), Strategy.sharding()) if o.level <= i.level]
 NAMED = {
     (Strategy.NO_SHARD, Strategy.OPTIM_GRADS_PARAMS): "HSDP",
     (Strategy.OPTIM, Strategy.OPTIM_GRADS_PARAMS): "HFSDP",
@@ -60,7 +63,7 @@ def candidate_layouts(world: int, gpus_per_node: int = 8, **fields) -> list[Layo
     """Every valid layout of `world` ranks; `fields` are the LayoutConfig fields all of them share (ep, experts,
     batch sizes). Layouts the rules refuse (an expert constraint, say) are left out, and so are hybrids with one rank
     per instance where a node has several GPUs (the outer axis would do all the work of a one-axis layout)."""
-    specs = [(Strategy.NO_SHARD, inner, 1) for inner in Strategy]
+    specs = [(Strategy.NO_SHARD, inner, 1) for inner in Strategy.sharding()]
     instances = [r for r in range(2, world + 1) if world % r == 0 and (r < world or gpus_per_node == 1)]
     specs += [(o, i, r) for r in instances for o, i in PAIRS]
     out = []
