@@ -120,6 +120,8 @@ class FlatParamGroup:
         self.state = ParamState.UNSHARDED
         self._gather_event = None  # GATHERING: the event of the gather in flight
         self._new_weights = None  # the post-step gather of new weights, until compute has waited on it
+        self._compute_weights_written = False  # an optimizer wrote this step's weights in the compute dtype
+        self._gather_input_ready = False  # `unsharded[param_range]` already holds the cast of `main`
         self.main_params: list[MainParam] = build_main_params(self)
         self.grads = GradBuffer(self.flat, self.comms, self.streams, mp.reduce_dtype, self.device)
         self._host_grad: torch.Tensor | None = None  # offload: where the reduced gradient goes for the optimizer
@@ -192,7 +194,10 @@ class FlatParamGroup:
             piece = self.param_shard
             if piece is None:  # cast the main weights into this rank's slot: the gather is then in place
                 piece = self.unsharded[slice(*self.param_range)]
-                piece.copy_(self.main)
+                if self._gather_input_ready:  # the optimizer step wrote it already (`compute_weights_out`)
+                    self._gather_input_ready = False
+                else:
+                    piece.copy_(self.main)
             sharded = self.layout.sharded_axes(State.PARAM)
             self.comms.gather(piece, sharded, self.plan.param_gather, self.unsharded, 0)
             self._gather_event = self.streams.record("gather")
@@ -267,10 +272,11 @@ class FlatParamGroup:
         `main` itself, so there is nothing to do but refresh parameters that are
         still unsharded (the root after a forward without backward).
         """
+        written, self._compute_weights_written = self._compute_weights_written, False
         if self.param_shard is not None:
             lo = self.param_range[0]
             piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
-            if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
+            if piece.data_ptr() != self.main.data_ptr() and not written:  # fp32 compute steps the shard in place
                 piece.copy_(self.main, non_blocking=self.offload)  # from pinned host memory when offloaded
             if self.plan.post_step_gather:
                 written = self.streams.record("compute")
@@ -279,9 +285,36 @@ class FlatParamGroup:
                     sharded = self.layout.sharded_axes(State.OPTIM)
                     self.comms.gather(piece, sharded, self.plan.post_step_gather, self.param_shard, lo)
                     self._new_weights = self.streams.record("gather")
+        if self.param_shard is None:
+            self._gather_input_ready = written  # else stale: a write outside the step (a load) came after it
         if self.transient_unsharded and self.state is ParamState.UNSHARDED:
             self.state = ParamState.SHARDED  # stale: gather again (the storage is still there)
             self.start_unshard()  # on the gather stream, after the gather above
+
+    def compute_weights_out(self, prestage: bool) -> torch.Tensor | None:
+        """Where an optimizer that writes the new weights in the compute dtype as it steps (`FusedAdamW`) may put
+        them: a tensor aligned with `main` (the optimizer range), or None where nothing needs them.
+
+        Where a compute-dtype shard is kept (HFSDP's outer axis, ZeRO-1/2) it is that shard's optimizer range:
+        `publish_main_weights` then skips its own cast. Where none is kept (ZeRO-3, HSDP, one GPU) the next gather
+        casts `main` into its input slot; with `prestage` the slot's storage is allocated now and returned, so
+        the step writes it and that gather skips the cast (2 bytes per element held from the step to the unit's
+        forward, in exchange for the 6-byte cast). The caller writes every element of it, padding included, and
+        then calls `compute_weights_written`.
+        """
+        if self.offload or self.compute_dtype == torch.float32 or self.main.device != self.device:
+            return None
+        if self.param_shard is not None:
+            return self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
+        if not prestage or self.state is ParamState.GATHERING:
+            return None
+        if self.state is ParamState.SHARDED:  # allocated on the compute stream, which the step runs on
+            self.unsharded.untyped_storage().resize_(self.padded * self.unsharded.element_size())
+        return self.unsharded[slice(*self.param_range)]
+
+    def compute_weights_written(self) -> None:
+        """The tensor `compute_weights_out` returned holds this step's new weights (consumed by the next publish)."""
+        self._compute_weights_written = True
 
     def compute_shard(self) -> torch.Tensor:
         """This rank's parameter piece in the compute dtype (a fresh cast of `main` where none is kept)."""
