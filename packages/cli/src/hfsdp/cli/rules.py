@@ -90,7 +90,17 @@ def _warmup_before_decay_end(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _fraction_needs_offload(v: dict[str, Any], said) -> str | None:
+    if said.explicit("offload_fraction") and v["offload"] != "optim":
+        return (
+            f"{said('offload_fraction')} says how much of the optimizer state goes to host memory, but "
+            f"{said('offload')} keeps it all on the device; add --offload optim, or drop --offload-fraction."
+        )
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),
     Rule(("min_lr", "lr"), _min_lr_below_lr),
