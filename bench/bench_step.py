@@ -1036,7 +1036,7 @@ def report(results: list[dict], checks: list[dict], args, meta: dict) -> str:
             row += [f"{100 * r['mfu_of_achievable']:.1f}% of {rate:.0f}" if rate else "n/a"]
         rows.append(row)
     lines = ["", "## Step time", "", markdown_table(header, rows), ""]
-    if cuda and meta.get("copy_bandwidth"):
+    if meta.get("copy_bandwidth"):
         lines += floor_report(results, meta)
     if args.simulate_world:
         lines[3:3] = [
@@ -1162,6 +1162,8 @@ def _main(args, device, rank, world) -> int:
                     f"measured device-to-device copy bandwidth (read + write): {bw['bytes_per_s'] / 1e12:.2f} TB/s "
                     f"median, {bw['best_bytes_per_s'] / 1e12:.2f} best; copy correct: {bw['copy_correct']}"
                 )
+    elif args.floor:  # on a CPU only to try the report: host bandwidth, no GPU figure
+        meta["copy_bandwidth"] = copy_bandwidth(device, gib=0.25, repeats=5)
 
     runs: dict[tuple[str, str], list[dict]] = {}
     extra = args.profile_steps if args.profile else 0
