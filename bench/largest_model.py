@@ -85,10 +85,10 @@ def main(argv=None) -> int:
     p.add_argument("--host-gib", type=float, default=128.0, help="the machine's host memory (its lent size)")
     p.add_argument("--fsdp2-timeout-s", type=float, default=120.0)
     args = p.parse_args(argv)
-    import torch
-
     began = time.time()
-    _, gpu_bytes = torch.cuda.mem_get_info()
+    # From nvidia-smi: a CUDA context in this process would hold memory the attempts then lack.
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    gpu_bytes = float(subprocess.run(query, capture_output=True, text=True, check=True).stdout.split()[0]) * 2**20
     host_bytes = args.host_gib * 2**30
     plans = [(c, predict(params(*c[1:4]), gpu_bytes, host_bytes)) for c in CANDIDATES]
     memory = f"GPU {gpu_bytes / 2**30:.1f} GiB, host {args.host_gib:.0f} GiB"

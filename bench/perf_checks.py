@@ -246,9 +246,9 @@ def main(argv=None) -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     timing = None
     try:
         for name, fn in (("kernel", kernel_checks), ("engine", None if args.skip_engine else engine_checks)):

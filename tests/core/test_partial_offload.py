@@ -13,7 +13,7 @@ from hfsdp.core.offload_plan import check_offload, fraction_for, per_element_byt
 from tests.support.distributed import run_distributed
 from tests.support.toy_models import OPTIMIZERS, global_batch, make_toy, microbatch, plain_steps
 
-CLIP, STEPS, MICRO = 0.05, 3, 2
+CLIP, LOOSE, STEPS, MICRO = 0.05, 1e6, 3, 2  # LOOSE never binds: the gradient goes to the host during backward
 CPU = torch.device("cpu")
 
 
@@ -94,34 +94,38 @@ def _ranks(rank, world):
     from hfsdp.core import LayoutConfig, build_meshes, clip_grad_norm_, fully_shard, sharding_of
 
     out = {}
-    for name, (outer, inner, instances) in LAYOUTS.items():
-        for optimizer in ("adamw", "sgd"):
-            cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
-            model = make_toy()
-            sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), offload=0.5)
-            opt = OPTIMIZERS[optimizer](sharded.parameters())
-            losses, norms = [], []
-            for step in range(STEPS):
-                total = torch.zeros(())
-                for index in range(MICRO):
-                    sharded.set_microbatch(index, MICRO)
-                    loss = sharded(*microbatch(step, index, MICRO, rank, world))
-                    loss.backward()
-                    total += loss.detach()
-                dist.all_reduce(total)
-                losses.append(total.item() / (MICRO * world))
-                norms.append(clip_grad_norm_(sharded, CLIP).item())
-                opt.step()
-                opt.zero_grad()
-            engine = sharding_of(sharded)
-            out[name, optimizer] = {
-                "losses": losses,
-                "norms": norms,
-                "offloaded": [g.offload for g in engine.groups],
-                # fp32 compute steps the parameter shard in place, unless its main weights went to the host apart
-                "separate": [g.main.data_ptr() != g.param_shard.data_ptr() for g in engine.groups],
-                "pieces": [(p.name, p.start, p.stop, p.param.detach().reshape(-1).clone()) for p in engine.main_params],
-            }
+    cases = [(name, optimizer, CLIP) for name in LAYOUTS for optimizer in ("adamw", "sgd")]
+    cases.append(("HFSDP 2x1", "sgd", LOOSE))
+    for name, optimizer, clip in cases:
+        outer, inner, instances = LAYOUTS[name]
+        cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
+        model = make_toy()
+        sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), offload=0.5)
+        opt = OPTIMIZERS[optimizer](sharded.parameters())
+        losses, norms = [], []
+        for step in range(STEPS):
+            total = torch.zeros(())
+            for index in range(MICRO):
+                sharded.set_microbatch(index, MICRO)
+                loss = sharded(*microbatch(step, index, MICRO, rank, world))
+                loss.backward()
+                total += loss.detach()
+            dist.all_reduce(total)
+            losses.append(total.item() / (MICRO * world))
+            norms.append(clip_grad_norm_(sharded, clip).item())
+            early = [g._host_grad_fresh for g in sharding_of(sharded).groups if g.offload]
+            opt.step()
+            opt.zero_grad()
+        engine = sharding_of(sharded)
+        out[name, optimizer, clip] = {
+            "early copy at the last step": early,
+            "losses": losses,
+            "norms": norms,
+            "offloaded": [g.offload for g in engine.groups],
+            # fp32 compute steps the parameter shard in place, unless its main weights went to the host apart
+            "separate": [g.main.data_ptr() != g.param_shard.data_ptr() for g in engine.groups],
+            "pieces": [(p.name, p.start, p.stop, p.param.detach().reshape(-1).clone()) for p in engine.main_params],
+        }
     return out
 
 
@@ -130,24 +134,29 @@ def world2():
     return run_distributed(_ranks, 2)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_half_offloaded_training_matches_the_single_process_reference(world2, name, optimizer):
+CASES = [(n, o, CLIP) for n in LAYOUTS for o in ("adamw", "sgd")] + [("HFSDP 2x1", "sgd", LOOSE)]
+
+
+@pytest.mark.parametrize("name, optimizer, clip", CASES, ids=[f"{n}-{o}-clip{c:g}" for n, o, c in CASES])
+def test_half_offloaded_training_matches_the_single_process_reference(world2, name, optimizer, clip):
     """offload=0.5: the last two of three units keep their state in host memory (separate main weights, a kept
-    shard), and 3 clipped steps of 2 microbatches give the reference's losses, norms and parameters (rtol 1e-5);
-    the clip at 0.05 binds, so the host copies of the gradient are scaled too."""
-    case = world2[0][name, optimizer]
+    shard), and 3 clipped steps of 2 microbatches give the reference's losses, norms and parameters (rtol 1e-5).
+    Clipping at 0.05 binds: the first step's gradient, copied to the host during backward, is scaled there too,
+    and later steps copy after the clip. A clip that never binds keeps copying during backward."""
+    case = world2[0][name, optimizer, clip]
     assert case["offloaded"] == [False, True, True, False] and case["separate"] == case["offloaded"]
     model = make_toy()
     ref_losses, ref_norms = plain_steps(
-        model, OPTIMIZERS[optimizer](model.parameters()), lambda s: model(*global_batch(s)), STEPS, CLIP
+        model, OPTIMIZERS[optimizer](model.parameters()), lambda s: model(*global_batch(s)), STEPS, clip
     )
-    assert max(ref_norms) > CLIP  # the clip binds: the coefficient is below 1
+    binds = min(ref_norms) > clip
+    assert binds == (clip == CLIP)  # the tight clip binds at every step, the loose one at none
+    assert case["early copy at the last step"] == [not binds, not binds]
     torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
     full = {n: torch.full((p.numel(),), float("nan")) for n, p in model.named_parameters()}
     for r in world2:
-        for n, start, stop, values in r[name, optimizer]["pieces"]:
+        for n, start, stop, values in r[name, optimizer, clip]["pieces"]:
             full[n][start:stop] = values
     for n, p in model.named_parameters():
         torch.testing.assert_close(full[n].view(p.shape), p.detach(), rtol=1e-5, atol=1e-6, msg=n)

@@ -127,6 +127,7 @@ class FlatParamGroup:
         self._host_grad: torch.Tensor | None = None  # offload: where the reduced gradient goes for the optimizer
         self._host_grad_event = None  # offload: the copy of this step's gradient into `_host_grad`, once issued
         self._host_grad_fresh = False  # offload: `_host_grad` holds this step's reduced gradient (as last scaled)
+        self._early_host_copy = True  # offload: copy the gradient during backward (off while clipping binds)
         self._computing = True  # whether the modules hold the compute parameters (not the main params)
         self.reshard()
         self.hold_main_params()
@@ -246,8 +247,9 @@ class FlatParamGroup:
     def start_host_grad_copy(self) -> None:
         """Offload, after the step's last reduction into this group: copy its reduced gradient to the host now, on
         the host stream, so the copy overlaps the backward of the units still to come (they are earlier ones:
-        `offload_plan` offloads the last units first)."""
-        if not self.offload or not self.grads.holds:
+        `offload_plan` offloads the last units first). Not while clipping binds: a copy made before the clip
+        would need a pass over host memory to be scaled, which costs more than the transfer it hides."""
+        if not self.offload or not self.grads.holds or not self._early_host_copy:
             return
         host = self._host_grad_buffer()
         pending = self.grads.pending
@@ -262,14 +264,17 @@ class FlatParamGroup:
         """Clipping multiplies the device gradient by `coef`: do the same to a host copy already made (the whole
         optimizer range, or `ranges` of it), and keep the device copy untouched until the transfer has read it.
         The same fp32 multiply on the host gives the same bits; a coefficient of 1 (the clip did not bind)
-        changes nothing and costs no host pass."""
+        changes nothing and costs no host pass. Whether it bound decides whether the next step copies early."""
+        if not self.offload:
+            return
+        value = float(coef.item())
+        self._early_host_copy = value == 1.0
         if not self._host_grad_fresh:
             return
         self.streams.wait("compute", self._host_grad_event)
-        self.wait_for_host_grads()
-        value = float(coef.item())
         if value == 1.0:
             return
+        self.wait_for_host_grads()
         for lo, hi in ranges or [(0, self._host_grad.numel())]:
             self._host_grad[lo:hi].mul_(value)
 
