@@ -208,7 +208,7 @@ def engine_checks(device) -> None:
     fused = _run(device, torch.float32, "fused")
     err = _rel(fused["main"], base["main"])
     name = "fp32: FusedAdamW(max_grad_norm) trains like torch AdamW + clip_grad_norm_"
-    check(name, err < 1e-5, f"main rel {err:.1e}")
+    check(name, err < 1e-4, f"main rel {err:.1e}")  # 1e-4: CUDA's embedding backward sums with atomics
     ref = _run(device, bf16, "torch")
     for kind in ("fused", "prestage"):
         got = _run(device, bf16, kind)
@@ -222,7 +222,7 @@ def engine_checks(device) -> None:
         err = _rel(got["main"], base["main"])
         plan = got["fraction"]
         detail = f"units {plan.units}, fraction {plan.fraction:.2f}, main rel {err:.1e}"
-        check(f"fp32 offload={offload}: trains like no offload (host and device AdamW)", err < 1e-5, detail)
+        check(f"fp32 offload={offload}: trains like no offload (host and device AdamW)", err < 1e-4, detail)
     got = _run(device, bf16, "torch", offload=0.5)
     diff = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"], strict=True))
     check("bf16 offload=0.5: losses within 1e-3 of no offload", diff < 1e-3, f"max rel {diff:.1e}")

@@ -79,7 +79,8 @@ for name in $phases; do
     fsdp2off67)
       phase fsdp2off67 90 150 $BENCH $L67 --steps 2 --warmup 1 --engines fsdp2 --offload --out "$out/fsdp2off67.json" ;;
     two)
-      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+      gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+      if [ "${gpus:-0}" -ge 2 ] 2>/dev/null; then
         T="torchrun --nproc-per-node 2 bench/bench_step.py --device cuda --dtype bf16 --seq-len 2048 --vocab 32000"
         T="$T --micro-batch-size 4 --steps 8 --warmup 3 --layouts zero3:1x2,hsdp:2x1,hfsdp:2x1"
         T="$T --engines hfsdp,hfsdp+fused+clip,fsdp2"
