@@ -230,11 +230,15 @@ class Sharding:
                 group.wait_for_host_grads()  # the host gradients are in before the CPU reads them
 
     def after_step(self, pieces: list[MainParam]) -> None:
-        """Publish the stepped groups' new weights (collective, group order) and consume the stepped gradients."""
+        """Publish the stepped groups' new weights (collective: the next forward's order on every rank) and consume the
+        stepped gradients."""
         if self.step.phase is not StepPhase.GRADS_READY:
             return
         stepped = self._by_group(pieces)
-        for group, _ in stepped:
+        root = self.units[-1].groups
+        # In the next forward's order, the root first: each unit's weights then arrive (a gather, or from host
+        # memory) before those of the units that run after it, so the forward can start on the first.
+        for group, _ in sorted(stepped, key=lambda gm: not any(gm[0] is g for g in root)):
             group.publish_main_weights()
         self.consumed = True
         self.pending.difference_update(p.name for p in pieces)
