@@ -91,6 +91,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -1166,6 +1167,7 @@ def _main(args, device, rank, world) -> int:
         meta["copy_bandwidth"] = copy_bandwidth(device, gib=0.25, repeats=5)
 
     runs: dict[tuple[str, str], list[dict]] = {}
+    failed: list[str] = []  # engines that raised (one process only; the others still run)
     extra = args.profile_steps if args.profile else 0
     gbs = args.global_batch_size or args.micro_batch_size * world
     batches_by_layout = {}
@@ -1209,7 +1211,17 @@ def _main(args, device, rank, world) -> int:
                         flush=True,
                     )
                 profile = args.profile and round_index == 0
-                mine = run_engine(factory, batches, args, device, timers, cfg.dp, world, profile)
+                try:
+                    mine = run_engine(factory, batches, args, device, timers, cfg.dp, world, profile)
+                except Exception as err:
+                    if world > 1:  # the other ranks may be inside a collective: stop them all
+                        raise
+                    # One process: the engines after this one can still be measured.
+                    failed.append(f"[{layout.tag}] {kind}: {type(err).__name__}: {err}")
+                    print(f"!!! ENGINE FAILED {failed[-1]}", flush=True)
+                    traceback.print_exc()
+                    free_memory(device)
+                    continue
                 mine["layout"] = layout.tag
                 row = merge_ranks(gather_objects(mine, args))
                 runs.setdefault((layout.tag, kind), []).append(row)
@@ -1238,11 +1250,14 @@ def _main(args, device, rank, world) -> int:
             )
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            record = {"meta": meta, "results": results, "loss_checks": checks, "table": text, "failed": failed}
             with open(args.out, "w") as f:
-                json.dump({"meta": meta, "results": results, "loss_checks": checks, "table": text}, f, indent=1)
+                json.dump(record, f, indent=1)
             print(f"wrote {args.out}")
+        for line in failed:
+            print(f"!!! ENGINE FAILED {line}", flush=True)
     dist.barrier()
-    return 0
+    return 1 if failed or any(not c["ok"] for c in checks) else 0
 
 
 def run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:

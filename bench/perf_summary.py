@@ -75,6 +75,7 @@ def floor(out: Path) -> list[str]:
             f"{100 * r['mfu_of_achievable']:.1f}%" if r.get("mfu_of_achievable") else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [f"ENGINE FAILED {line}" for line in data.get("failed", [])]
     bad = [c for c in data.get("loss_checks", []) if not c["ok"]]
     lines.append("loss checks: " + ("all ok" if not bad else "MISMATCH " + ", ".join(c["pair"] for c in bad)))
     return lines
@@ -89,6 +90,7 @@ def llama67(out: Path) -> list[str]:
         if data is None:
             lines.append(f"| {name} | - | - | not run or failed (see {name}.log) | | | |")
             continue
+        lines += [f"| {name} | ENGINE FAILED: {line} | | | | | |" for line in data.get("failed", [])]
         for r in data["results"]:
             off = r.get("offloaded_fraction")
             policy = "CPUOffloadPolicy" if "--offload" in data["meta"]["argv"] else "-"
