@@ -75,7 +75,8 @@ for name in $phases; do
       phase o67half 45 120 $BENCH $L67 --steps 3 --warmup 1 --engines hfsdp --offload-fraction 0.5 --out "$out/o67half.json" ;;
     largest)
       budget=$(( $(left) - 10 ))
-      phase largest 90 300 python3 bench/largest_model.py --out "$out" --budget-s "$((budget < 290 ? budget : 290))" ;;
+      phase largest 90 300 python3 bench/largest_model.py --out "$out" --budget-s "$((budget < 290 ? budget : 290))" \
+        --fsdp2-anyway --fsdp2-timeout-s 90 ;;
     fsdp2off67)
       phase fsdp2off67 90 150 $BENCH $L67 --steps 2 --warmup 1 --engines fsdp2 --offload --out "$out/fsdp2off67.json" ;;
     two)
