@@ -83,6 +83,7 @@ def floor(out: Path) -> list[str]:
 
 def llama67(out: Path) -> list[str]:
     lines = ["6.7B Llama, 1 GPU, micro-batch 1, no recompute (each engine its own process)"]
+    firsts = []
     lines += ["| run | engine | offload | step s | peak MiB | max RSS MiB | first loss |"]
     lines += ["|---|---|---|---:|---:|---:|---:|"]
     for name in ("h67", "f67", "o67full", "o67half", "fsdp2off67"):
@@ -95,11 +96,17 @@ def llama67(out: Path) -> list[str]:
             off = r.get("offloaded_fraction")
             policy = "CPUOffloadPolicy" if "--offload" in data["meta"]["argv"] else "-"
             off = f"{off:.2f}" if off is not None else policy
+            firsts.append((f"{name} {r['engine']}", r["losses"][0]))
             lines.append(
                 f"| {name} | {r['engine']} | {off} | {r['median_step_s']:.4f} | "
                 f"{(r.get('cuda_peak_allocated_bytes') or 0) / 2**20:,.0f} | {r.get('max_rss_mib', 0):,.0f} | "
                 f"{r['losses'][0]:.5f} |"
             )
+    if firsts:  # the same weights (built on the device from one seed) and data: the first losses must agree
+        ref = firsts[0][1]
+        worst = max(abs(x - ref) / abs(ref) for _, x in firsts)
+        verdict = "ok" if worst <= 2e-2 else "MISMATCH"
+        lines.append(f"first losses agree across processes within {worst:.1e} (bf16 bound 2e-2): {verdict}")
     return lines
 
 
