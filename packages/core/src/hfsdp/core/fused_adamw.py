@@ -24,7 +24,9 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
 
 Each group's `exp_avg` and `exp_avg_sq` live in one flat buffer aligned with its main weights, and the
 per-parameter state entries are views into them; state loaded through `load_state_dict` is copied into
-them at the next step. Parameters that are not hfsdp main params are stepped one tensor at a time.
+them at the next step. Parameters that are not hfsdp main params are stepped one tensor at a time. Pieces
+offloaded to host memory are stepped by the plain-torch path on the CPU, slower than torch's fused CPU AdamW:
+with `offload`, `torch.optim.AdamW(fused=True)` is the better choice.
 """
 
 from __future__ import annotations
