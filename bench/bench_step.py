@@ -58,8 +58,13 @@ slowest rank's median and the largest memory):
   the process, so it says little about engines after the first) and, on both, the
   bytes of persistent model state on the rank: hfsdp `state_bytes()` of model and
   optimizer; FSDP2 local shards of parameters + gradients + optimizer state;
-- MFU (CUDA): model FLOPs (6 x matmul parameters + 12 x layers x hidden x seq, per token)
-  over the measured dense matmul rate of this GPU in the run's dtype (printed);
+- MFU (CUDA), by the field's definition (PaLM, Megatron-LM, torchtitan): model FLOPs (6 x matmul
+  parameters + 12 x layers x hidden x seq, per token; recomputation not counted) over the datasheet's
+  dense peak of the GPU in the run's dtype (H200 SXM bf16: 989 TFLOP/s; `--peak-tflops` for others),
+  and beside it the same FLOPs over the matmul rate measured in the run ("of achievable");
+- with `--floor` (CUDA): the bandwidth floor of each hfsdp engine's cost, the bytes its own kernels
+  move per step and the fewest its layout must move (`_floor.py`), over the device-to-device copy
+  bandwidth measured in the run, against the engine's cost (its step minus the `model` engine's);
 - comm blocked: host time inside collective calls (hfsdp.core.collectives, the
   torch.distributed functions, Work.wait). On gloo calls are synchronous, so this is
   the exposed communication plus waiting for slower ranks; on NCCL it is launch time
@@ -86,6 +91,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -95,7 +101,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _ceilings import copy_bandwidth, datasheet_peak, matmul_tflops
 from _common import STEP_LABEL, CallTimers, install_comm_timers, markdown_table, summarize_profile, top_ops
+from _floor import floor_bytes, step_bytes
 
 #: Layout names -> (outer strategy, inner strategy).
 LAYOUTS = {
@@ -109,6 +117,9 @@ LAYOUTS = {
 }
 SEED = 1234
 ENGINES = ("hfsdp", "fsdp2", "plain", "model")
+#: hfsdp engine variants, `hfsdp+fused[+clip][+prestage]`: FusedAdamW instead of torch's fused AdamW, the clip inside
+#: its step, the next forward's gather input written by the step.
+VARIANT_PARTS = ("fused", "clip", "prestage")
 SINGLE_DEVICE_ENGINES = ("plain", "model")  # unsharded, on rank 0 alone
 
 
@@ -150,6 +161,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="optimizer in host memory: hfsdp offload=True, FSDP2 CPUOffloadPolicy (parameters on the host too)",
     )
+    p.add_argument(
+        "--offload-fraction",
+        default=None,
+        help="hfsdp only: offload this fraction of the optimizer state (0..1), or 'auto' (what the GPU cannot hold)",
+    )
+    p.add_argument("--recompute", action="store_true", help="recompute every unit's activations in backward (both)")
+    p.add_argument(
+        "--build-on-device",
+        action="store_true",
+        help="initialise a Llama's weights on the device instead of the CPU (faster for large models; every engine "
+        "of the run gets the same weights, but not those of a CPU-built run)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the GPU's datasheet dense peak in the run's dtype, the MFU denominator (default: from the table in "
+        "_ceilings.py; H200 SXM bf16 989)",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="CUDA: measure the copy bandwidth and report each hfsdp engine's cost against its bandwidth floor",
+    )
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -184,12 +219,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.timing = args.timers == "on" or (args.timers == "auto" and args.device == "cpu")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in args.engines if e not in ENGINES]
+    unknown = [e for e in args.engines if e not in ENGINES and not _is_variant(e)]
     if unknown:
-        p.error(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+        p.error(
+            f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}, or hfsdp variants "
+            "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage (FusedAdamW; the clip in its step; the gather "
+            "input written by it)"
+        )
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        p.error(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops}")
+    if args.offload_fraction is not None:
+        try:
+            args.offload_fraction = _offload_fraction(args.offload_fraction)
+        except ValueError as err:
+            p.error(f"--offload-fraction: {err}")
     if args.simulate_world and not 0 <= args.simulate_rank < args.simulate_world:
         p.error(f"--simulate-rank must be in 0..{args.simulate_world - 1}")
     return args
+
+
+def _is_variant(name: str) -> bool:
+    head, *parts = name.split("+")
+    return (
+        head == "hfsdp"
+        and bool(parts)
+        and parts[0] == "fused"
+        and len(set(parts)) == len(parts)
+        and all(x in VARIANT_PARTS for x in parts)
+    )
+
+
+def _offload_fraction(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"must be a number from 0 to 1 or 'auto', got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"must be a number from 0 to 1 or 'auto', got {text!r}")
+    return value
 
 
 def parse_layouts(text: str | None, world: int) -> list[Layout]:
@@ -257,24 +326,6 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 50) -> float:
-    """Dense matmul rate of this GPU in `dtype` (TFLOP/s): the denominator of MFU."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    c = torch.empty(n, n, device=device, dtype=dtype)
-    for _ in range(5):
-        torch.mm(a, b, out=c)
-    torch.cuda.synchronize(device)
-    began = time.perf_counter()
-    for _ in range(iters):
-        torch.mm(a, b, out=c)
-    torch.cuda.synchronize(device)
-    rate = 2 * n**3 * iters / (time.perf_counter() - began) / 1e12
-    del a, b, c
-    torch.cuda.empty_cache()
-    return rate
-
-
 def max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -322,12 +373,16 @@ def llama_config(args):
     )
 
 
-def build_model(cfg, shape, device: torch.device, init_groups: bool = True):
+def build_model(cfg, shape, device: torch.device, init_groups: bool = True, on_device: bool = False):
     """The same model for every engine, seeded. GPT: megatron-core groups for `cfg` (collective; the plain
-    engine, rank 0 alone, reuses the ones already built), re-initialised by name."""
+    engine, rank 0 alone, reuses the ones already built), re-initialised by name. A Llama is initialised on the
+    CPU, or with `on_device` on the device itself (the weights then differ from a CPU-built model's, but are the
+    same for every engine)."""
     if not hasattr(shape, "num_layers"):  # a transformers config
         from hfsdp.models import hf
 
+        if on_device:
+            return hf.build_causal_lm(shape, seed=SEED, device=device)
         return hf.build_causal_lm(shape, seed=SEED).to(device)
     from hfsdp.models.megatron.adapter import expert_naming_for, initialize_parallel
     from hfsdp.models.megatron.cpu_shim import seed_megatron
@@ -356,10 +411,13 @@ def loss_of(model, tokens, labels):
 
 
 def maybe_compile(args, model) -> None:
-    if args.compile:
-        from hfsdp.core.unit_forward import compile_units
+    """torch.compile and/or activation recomputation of every unit, as the flags ask (both engines alike)."""
+    from hfsdp.core.unit_forward import compile_units, recompute
 
+    if args.compile:
         compile_units(units_of(model))
+    if args.recompute:
+        recompute(units_of(model))
 
 
 def adamw(args, params):
@@ -422,23 +480,29 @@ class Engine:
         return total / count
 
 
+def _offloaded_fraction(sharding) -> float:
+    total = sum(g.main.numel() for g in sharding.groups)
+    return sum(g.main.numel() for g in sharding.groups if g.offload) / max(total, 1)
+
+
 class HfsdpEngine(Engine):
     kind = "hfsdp"
 
-    def __init__(self, args, timers, compute_dtype, cfg, shape, device):
+    def __init__(self, args, timers, compute_dtype, cfg, shape, device, variant: str | None = None):
         super().__init__(args, timers, compute_dtype)
         from hfsdp.core import MixedPrecision, build_meshes, fully_shard, sharding_of
         from hfsdp.models.megatron.adapter import shard_megatron_model
 
-        model = build_model(cfg, shape, device)
+        model = build_model(cfg, shape, device, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
         maybe_compile(args, model)
         mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        offload = args.offload or (args.offload_fraction if args.offload_fraction is not None else False)
         # Like FSDP2 below, given reshard_after_forward=True for the root too (as torchtitan does).
         reshard_root = cfg.inner == "optim_grads_params"
         if args.model == "gpt":
             self.model = shard_megatron_model(
-                model, cfg, device.type, mp, offload=args.offload, reshard_root_after_forward=reshard_root
+                model, cfg, device.type, mp, offload=offload, reshard_root_after_forward=reshard_root
             )
         else:
             meshes = build_meshes(cfg, device.type)
@@ -448,13 +512,33 @@ class HfsdpEngine(Engine):
                 meshes,
                 units=units_of(model),
                 mp=mp,
-                offload=args.offload,
+                offload=offload,
                 reshard_root_after_forward=reshard_root,
             )
         self.sharding = sharding_of(self.model)
-        self.opt = adamw(args, self.model.parameters())
-        self.label = cfg.layout_name
+        self.variant = set(variant.split("+")[1:]) if variant else set()
+        self.kind = variant or "hfsdp"
+        if "fused" in self.variant:
+            from hfsdp.core import FusedAdamW
+
+            self.opt = FusedAdamW(
+                self.model.parameters(),
+                lr=args.lr,
+                weight_decay=args.weight_decay,
+                max_grad_norm=args.clip_grad if "clip" in self.variant and args.clip_grad else None,
+                prestage_gathers="prestage" in self.variant,
+            )
+        else:
+            self.opt = adamw(args, self.model.parameters())
+        self.label = cfg.layout_name + (f" + {'+'.join(sorted(self.variant))}" if self.variant else "")
+        self.offloaded_fraction = _offloaded_fraction(self.sharding)
+        if self.offloaded_fraction:
+            self.label += f", {100 * self.offloaded_fraction:.0f}% of the optimizer state offloaded"
         self.mesh = tuple(self.sharding.meshes.dense.mesh_dim_names)
+        count = cfg.num_microbatches
+        clip = bool(args.clip_grad)
+        self.bytes_moved = dict(step_bytes(self.sharding, self.variant, count, clip, cfg.dp))
+        self.bytes_floor = dict(floor_bytes(self.sharding, count, clip))
 
     def microbatch(self, index, count, tokens, labels):
         self.model.set_microbatch(index, count)
@@ -465,7 +549,8 @@ class HfsdpEngine(Engine):
     def clip(self):
         from hfsdp.core import clip_grad_norm_
 
-        clip_grad_norm_(self.model, self.args.clip_grad)
+        if "clip" not in self.variant:  # else FusedAdamW clips inside its step
+            clip_grad_norm_(self.model, self.args.clip_grad)
 
     def optimizer_step(self):
         self.opt.step()
@@ -504,7 +589,7 @@ class Fsdp2Engine(TorchOptimizerEngine):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        model = build_model(cfg, shape, device)
+        model = build_model(cfg, shape, device, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
         if layout.instances > 1:
             mesh = init_device_mesh(
@@ -542,7 +627,7 @@ class PlainEngine(TorchOptimizerEngine):
 
     def __init__(self, args, timers, compute_dtype, cfg, shape, device):
         super().__init__(args, timers, compute_dtype)
-        self.model = build_model(cfg, shape, device, init_groups=False)
+        self.model = build_model(cfg, shape, device, init_groups=False, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(self.model, shape)
         maybe_compile(args, self.model)
         self.opt = adamw(args, self.model.parameters())
@@ -572,7 +657,7 @@ class ModelOnlyEngine(TorchOptimizerEngine):
 
     def __init__(self, args, timers, compute_dtype, cfg, shape, device):
         super().__init__(args, timers, compute_dtype)
-        self.model = build_model(cfg, shape, device, init_groups=False)
+        self.model = build_model(cfg, shape, device, init_groups=False, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(self.model, shape)
         if compute_dtype is not None:
             self.model.to(compute_dtype)
@@ -707,6 +792,9 @@ def run_engine(
         "losses": stacked,
         "params": engine.params,
         "flops_per_token": engine.flops_per_token,
+        "bytes_moved": getattr(engine, "bytes_moved", None),
+        "bytes_floor": getattr(engine, "bytes_floor", None),
+        "offloaded_fraction": getattr(engine, "offloaded_fraction", None),
         "model_state_bytes": engine.state_bytes_measured,
         "max_rss_mib": max_rss_mib(),
         "max_rss_mib_before": rss_before,
@@ -848,37 +936,78 @@ def combine_rounds(rows: list[dict]) -> dict:
 
 
 def loss_checks(results: list[dict], args, world: int) -> list[dict]:
-    """hfsdp against fsdp2 (and plain at world size 1) on the first --loss-steps losses."""
+    """hfsdp against fsdp2 (and plain at world size 1) on the first --loss-steps losses, and every hfsdp variant
+    against hfsdp (FusedAdamW rounds differently from torch's fused AdamW, which computes in double: 1e-5 in fp32,
+    1e-3 in bf16, where an fp32 rounding difference may flip a bf16 weight)."""
     rtol = 1e-4 if args.dtype == "fp32" else 2e-2
+    variant_rtol = 1e-5 if args.dtype == "fp32" else 1e-3
     checks = []
     by_layout: dict[str, dict[str, dict]] = {}
     for r in results:
         by_layout.setdefault(r["layout"], {})[r["engine"]] = r
     plain = next((r for r in results if r["engine"] == "plain"), None)
     for layout, engines in by_layout.items():
-        ref = engines.get("hfsdp")
+        ref = engines.get("hfsdp") or next((e for k, e in engines.items() if _is_variant(k)), None)
         others = [engines[k] for k in ("fsdp2",) if k in engines]
         if plain is not None and world == 1:
             others.append(plain)
+        variants = [e for k, e in engines.items() if _is_variant(k) and e is not ref]
         if ref is None:
             continue
-        for other in others:
+        for other in others + variants:
+            tol = variant_rtol if other in variants else rtol
             a, b = ref["losses"][: args.loss_steps], other["losses"][: args.loss_steps]
             rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
             rel_all = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(ref["losses"], other["losses"], strict=True))
             checks.append(
                 {
                     "layout": layout,
-                    "pair": f"hfsdp vs {other['engine']}",
+                    "pair": f"{ref['engine']} vs {other['engine']}",
                     "hfsdp": a,
                     other["engine"]: b,
                     "max_rel_diff_first_steps": rel,
                     "max_rel_diff_all_steps": rel_all,
-                    "rtol": rtol,
-                    "ok": rel <= rtol and math.isfinite(rel),
+                    "rtol": tol,
+                    "ok": rel <= tol and math.isfinite(rel),
                 }
             )
     return checks
+
+
+def floor_report(results: list[dict], meta: dict) -> list[str]:
+    """Each engine's cost over the model alone against the bandwidth floor of its layout (`_floor.py`)."""
+    bw = meta["copy_bandwidth"]["bytes_per_s"]
+    model = next((r for r in results if r["engine"] == "model"), None)
+    header = ["engine", "step (s)", "cost over the model alone (ms)", "bytes its kernels move (GB)"]
+    header += ["at copy rate (ms)", "floor bytes (GB)", "floor (ms)", "cost / floor", "peak alloc MiB"]
+    rows = []
+    for r in results:
+        if r["engine"] == "model":
+            continue
+        cost = (r["median_step_s"] - model["median_step_s"]) if model else None
+        moved, floor = r.get("bytes_moved"), r.get("bytes_floor")
+        moved_b = sum(moved.values()) if moved else None
+        floor_b = sum(floor.values()) if floor else None
+        r["cost_s"], r["floor_s"] = cost, floor_b / bw if floor_b else None
+        row = [r["engine"], r["median_step_s"], f"{cost * 1e3:.1f}" if cost is not None else "n/a"]
+        row += [f"{moved_b / 1e9:.1f}" if moved_b else "n/a", f"{moved_b / bw * 1e3:.1f}" if moved_b else "n/a"]
+        row += [f"{floor_b / 1e9:.1f}" if floor_b else "n/a", f"{floor_b / bw * 1e3:.1f}" if floor_b else "n/a"]
+        row += [f"{cost / (floor_b / bw):.2f}x" if cost is not None and floor_b else "n/a"]
+        row += [r["cuda_peak_allocated_bytes"] / 2**20 if r.get("cuda_peak_allocated_bytes") else "n/a"]
+        rows.append(row)
+    lines = [
+        f"## The engine's cost against its bandwidth floor (copy bandwidth measured here: {bw / 1e12:.2f} TB/s)",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
+    for r in results:
+        if r.get("bytes_moved"):
+            kinds = sorted(set(r["bytes_moved"]) | set(r["bytes_floor"]))
+            moved, floor = r["bytes_moved"], r["bytes_floor"]
+            parts = ", ".join(f"{k} {moved.get(k, 0) / 1e9:.2f}/{floor.get(k, 0) / 1e9:.2f}" for k in kinds)
+            lines.append(f"- {r['engine']}: GB moved/floor by kind: {parts}")
+    return [*lines, ""]
 
 
 def report(results: list[dict], checks: list[dict], args, meta: dict) -> str:
@@ -887,7 +1016,9 @@ def report(results: list[dict], checks: list[dict], args, meta: dict) -> str:
     header += ["peak alloc MiB/rank"] if cuda else ["max RSS MiB/rank"]
     header += ["comm blocked s/step (host, median)", "comm blocked % of step", "CPU s/step/rank"]
     if cuda:
-        header += ["MFU"]
+        peak = meta.get("peak_tflops")
+        header += [f"MFU (of {peak:.0f} TFLOP/s datasheet peak)" if peak else "MFU (no datasheet peak known)"]
+        header += ["of achievable (measured matmul rate)"]
     rows = []
     for r in results:
         state = r["model_state_bytes"] / 2**20 if r["model_state_bytes"] is not None else "n/a"
@@ -899,11 +1030,15 @@ def report(results: list[dict], checks: list[dict], args, meta: dict) -> str:
         row += [r["cpu_s_per_step"]]
         if cuda:
             rate = meta.get("matmul_tflops_per_rank", [None])[0]
-            mfu = r["flops_per_token"] * r["tokens_per_s_per_rank"] / (rate * 1e12) if rate else float("nan")
-            r["mfu"] = mfu
-            row += [f"{100 * mfu:.1f}%"]
+            achieved = r["flops_per_token"] * r["tokens_per_s_per_rank"]
+            r["mfu"] = achieved / (peak * 1e12) if peak else None
+            r["mfu_of_achievable"] = achieved / (rate * 1e12) if rate else None
+            row += [f"{100 * r['mfu']:.1f}%" if peak else "n/a"]
+            row += [f"{100 * r['mfu_of_achievable']:.1f}% of {rate:.0f}" if rate else "n/a"]
         rows.append(row)
     lines = ["", "## Step time", "", markdown_table(header, rows), ""]
+    if meta.get("copy_bandwidth"):
+        lines += floor_report(results, meta)
     if args.simulate_world:
         lines[3:3] = [
             f"Simulated: rank {args.simulate_rank} of {args.simulate_world} on the fake process group. Memory is "
@@ -1014,10 +1149,25 @@ def _main(args, device, rank, world) -> int:
         rates = gather_objects(rate, args)
         meta["matmul_tflops_per_rank"] = rates
         meta["matmul_dtype"] = args.dtype
+        peak = args.peak_tflops or datasheet_peak(meta["gpu"], args.dtype)
+        meta["peak_tflops"] = peak
+        meta["peak_source"] = "--peak-tflops" if args.peak_tflops else "datasheet table (bench/_ceilings.py)"
+        if args.floor:
+            meta["copy_bandwidth"] = copy_bandwidth(device)
         if rank == 0:
             print(f"measured dense {args.dtype} matmul rate (8192^3) per rank, TFLOP/s: {[f'{r:.0f}' for r in rates]}")
+            print(f"MFU denominator: {peak} TFLOP/s dense {args.dtype} ({meta['peak_source']}, {meta['gpu']})")
+            if args.floor:
+                bw = meta["copy_bandwidth"]
+                print(
+                    f"measured device-to-device copy bandwidth (read + write): {bw['bytes_per_s'] / 1e12:.2f} TB/s "
+                    f"median, {bw['best_bytes_per_s'] / 1e12:.2f} best; copy correct: {bw['copy_correct']}"
+                )
+    elif args.floor:  # on a CPU only to try the report: host bandwidth, no GPU figure
+        meta["copy_bandwidth"] = copy_bandwidth(device, gib=0.25, repeats=5)
 
     runs: dict[tuple[str, str], list[dict]] = {}
+    failed: list[str] = []  # engines that raised (one process only; the others still run)
     extra = args.profile_steps if args.profile else 0
     gbs = args.global_batch_size or args.micro_batch_size * world
     batches_by_layout = {}
@@ -1044,10 +1194,11 @@ def _main(args, device, rank, world) -> int:
                     if rank == 0 and round_index == 0:
                         print(f"[{layout.tag}] fsdp2: skipped, FSDP2 has no {layout.inner} (ZeRO-1/DDP) equivalent")
                     continue
-                if kind == "hfsdp":
+                if kind == "hfsdp" or _is_variant(kind):
 
-                    def factory(cfg=cfg):
-                        return HfsdpEngine(args, timers, compute_dtype, cfg, shape, device)
+                    def factory(cfg=cfg, kind=kind):
+                        variant = kind if kind != "hfsdp" else None
+                        return HfsdpEngine(args, timers, compute_dtype, cfg, shape, device, variant)
                 else:
 
                     def factory(cfg=cfg, layout=layout):
@@ -1060,7 +1211,17 @@ def _main(args, device, rank, world) -> int:
                         flush=True,
                     )
                 profile = args.profile and round_index == 0
-                mine = run_engine(factory, batches, args, device, timers, cfg.dp, world, profile)
+                try:
+                    mine = run_engine(factory, batches, args, device, timers, cfg.dp, world, profile)
+                except Exception as err:
+                    if world > 1:  # the other ranks may be inside a collective: stop them all
+                        raise
+                    # One process: the engines after this one can still be measured.
+                    failed.append(f"[{layout.tag}] {kind}: {type(err).__name__}: {err}")
+                    print(f"!!! ENGINE FAILED {failed[-1]}", flush=True)
+                    traceback.print_exc()
+                    free_memory(device)
+                    continue
                 mine["layout"] = layout.tag
                 row = merge_ranks(gather_objects(mine, args))
                 runs.setdefault((layout.tag, kind), []).append(row)
@@ -1089,11 +1250,14 @@ def _main(args, device, rank, world) -> int:
             )
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            record = {"meta": meta, "results": results, "loss_checks": checks, "table": text, "failed": failed}
             with open(args.out, "w") as f:
-                json.dump({"meta": meta, "results": results, "loss_checks": checks, "table": text}, f, indent=1)
+                json.dump(record, f, indent=1)
             print(f"wrote {args.out}")
+        for line in failed:
+            print(f"!!! ENGINE FAILED {line}", flush=True)
     dist.barrier()
-    return 0
+    return 1 if failed or any(not c["ok"] for c in checks) else 0
 
 
 def run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:

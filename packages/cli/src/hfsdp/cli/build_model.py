@@ -35,6 +35,17 @@ def build_model(cfg: TrainConfig, device: torch.device) -> BuiltModel:
     return _megatron_gpt(cfg, device, mp)
 
 
+def offload_of(cfg: TrainConfig) -> bool | float | str:
+    """What `fully_shard(offload=...)` gets: False, the share given by --offload-fraction (1: all), or "auto"."""
+    if cfg.offload != "optim":
+        return False
+    fraction = cfg.offload_fraction
+    if fraction == "auto":
+        return "auto"
+    fraction = float(fraction)
+    return True if fraction == 1.0 else fraction
+
+
 def _wrap_units(cfg: TrainConfig, units) -> None:
     from hfsdp.core.unit_forward import compile_units, recompute
 
@@ -61,7 +72,7 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
         meshes,
         units=units,
         mp=mp,
-        offload=cfg.offload == "optim",
+        offload=offload_of(cfg),
         reshard_root_after_forward=True,
         diloco=cfg.diloco,
     )
@@ -93,5 +104,5 @@ def _megatron_gpt(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     reinit_by_global_name(model, expert_naming_for(layout), cfg.seed)
     model.to(device)
     _wrap_units(cfg, list(model.decoder.layers))
-    sharded = shard_megatron_model(model, layout, device.type, mp, offload=cfg.offload == "optim", diloco=cfg.diloco)
+    sharded = shard_megatron_model(model, layout, device.type, mp, offload=offload_of(cfg), diloco=cfg.diloco)
     return BuiltModel(sharded, lm_loss, cfg.vocab, {"format": "megatron-gpt", "config": shape.record()})

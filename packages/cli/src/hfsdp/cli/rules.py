@@ -253,6 +253,15 @@ def _diloco_without_offload(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _fraction_needs_offload(v: dict[str, Any], said) -> str | None:
+    if said.explicit("offload_fraction") and v["offload"] != "optim":
+        return (
+            f"{said('offload_fraction')} says how much of the optimizer state goes to host memory, but "
+            f"{said('offload')} keeps it all on the device; add --offload optim, or drop --offload-fraction."
+        )
+    return None
+
+
 def _sgd_momentum_needs_sgd(v: dict[str, Any], said) -> str | None:
     if v["optimizer"] != "sgd" and said.explicit("sgd_momentum"):
         return f"{said('sgd_momentum')} applies to --optimizer sgd, but {said('optimizer')}; drop it or use sgd."
@@ -266,6 +275,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("sync_fragments", "layers", "model_config", "outer"), _fragments_within_units),
     Rule(("offload", "outer"), _diloco_without_offload),
     Rule(("sgd_momentum", "optimizer"), _sgd_momentum_needs_sgd),
+    Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),
     Rule(("min_lr", "lr"), _min_lr_below_lr),

@@ -87,6 +87,21 @@ def one_of(*choices: str) -> Check:
     return check
 
 
+def fraction_or_auto(value: object) -> str | None:
+    """A share from 0 to 1 (a number, or its text from a flag), or "auto"."""
+    if value == "auto":
+        return None
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if _is_number(number) and 0 <= number <= 1:
+        return None
+    return "must be a number from 0 to 1 (the share of the optimizer state in host memory) or auto"
+
+
 def path(value: object) -> str | None:
     return None if isinstance(value, str) and value.strip() else "must be a path"
 
@@ -269,6 +284,17 @@ SETTINGS: tuple[Setting, ...] = (
         "optimizer steps on the CPU).",
         one_of(*OFFLOADS),
         key="train.offload",
+        panel="Model",
+    ),
+    Setting(
+        "offload_fraction",
+        "--offload-fraction",
+        "1",
+        str,
+        "With --offload optim: the share of the optimizer state in host memory (0 to 1, last layers first), or "
+        "auto: what the GPU cannot hold.",
+        fraction_or_auto,
+        key="train.offload_fraction",
         panel="Model",
     ),
     Setting(

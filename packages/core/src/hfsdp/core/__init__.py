@@ -28,6 +28,7 @@ _EXPORTS = {
     "global_grad_norm": "hfsdp.core.clip",
     "param_groups": "hfsdp.core.main_params",
     "register_elementwise": "hfsdp.core.main_params",
+    "FusedAdamW": "hfsdp.core.fused_adamw",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -92,6 +92,7 @@ def clip_pieces_(
             "`error_if_nonfinite=False`"
         )
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    _scale_host_copies(pieces, coef)
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for grads in _grads(pieces).values():
         for grad in grads:
@@ -99,6 +100,19 @@ def clip_pieces_(
     for (dtype, device), grads in by_dtype.items():
         torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
     return norm
+
+
+def _scale_host_copies(pieces: list[MainParam], coef: torch.Tensor) -> None:
+    """Offloaded groups may already hold their gradient in host memory (copied during backward): scale it too."""
+    by_group: dict[int, list[MainParam]] = {}
+    for piece in pieces:
+        if piece.group.offload:
+            by_group.setdefault(id(piece.group), []).append(piece)
+    for mine in by_group.values():
+        group = mine[0].group
+        whole = len(mine) == len(group.main_params)
+        ranges = None if whole else [(p.offset, p.offset + p.stop - p.start) for p in mine if p.holds]
+        group.scale_host_grads(coef, ranges)
 
 
 def _pieces(model) -> list[MainParam]:

@@ -120,9 +120,14 @@ class FlatParamGroup:
         self.state = ParamState.UNSHARDED
         self._gather_event = None  # GATHERING: the event of the gather in flight
         self._new_weights = None  # the post-step gather of new weights, until compute has waited on it
+        self._compute_weights_written = False  # an optimizer wrote this step's weights in the compute dtype
+        self._gather_input_ready = False  # `unsharded[param_range]` already holds the cast of `main`
         self.main_params: list[MainParam] = build_main_params(self)
         self.grads = GradBuffer(self.flat, self.comms, self.streams, mp.reduce_dtype, self.device)
         self._host_grad: torch.Tensor | None = None  # offload: where the reduced gradient goes for the optimizer
+        self._host_grad_event = None  # offload: the copy of this step's gradient into `_host_grad`, once issued
+        self._host_grad_fresh = False  # offload: `_host_grad` holds this step's reduced gradient (as last scaled)
+        self._early_host_copy = True  # offload: copy the gradient during backward (off while clipping binds)
         self._computing = True  # whether the modules hold the compute parameters (not the main params)
         self.reshard()
         self.hold_main_params()
@@ -192,7 +197,10 @@ class FlatParamGroup:
             piece = self.param_shard
             if piece is None:  # cast the main weights into this rank's slot: the gather is then in place
                 piece = self.unsharded[slice(*self.param_range)]
-                piece.copy_(self.main)
+                if self._gather_input_ready:  # the optimizer step wrote it already (`compute_weights_out`)
+                    self._gather_input_ready = False
+                else:
+                    piece.copy_(self.main)
             sharded = self.layout.sharded_axes(State.PARAM)
             self.comms.gather(piece, sharded, self.plan.param_gather, self.unsharded, 0)
             self._gather_event = self.streams.record("gather")
@@ -236,21 +244,72 @@ class FlatParamGroup:
             if piece.holds and piece.param.grad is None:
                 piece.param.grad = piece.grad_view()
 
-    def _stage_grads_on_host(self, pieces: list[MainParam]) -> None:
-        """Offload: copy the reduced gradient of the optimizer range into host memory (asynchronously; the model
-        synchronizes once for all groups before the optimizer reads it) and point `pieces` at it."""
+    def start_host_grad_copy(self) -> None:
+        """Offload, after the step's last reduction into this group: copy its reduced gradient to the host now, on
+        the host stream, so the copy overlaps the backward of the units still to come (they are earlier ones:
+        `offload_plan` offloads the last units first). Not while clipping binds: a copy made before the clip
+        would need a pass over host memory to be scaled, which costs more than the transfer it hides."""
+        if not self.offload or not self.grads.holds or not self._early_host_copy:
+            return
+        host = self._host_grad_buffer()
+        pending = self.grads.pending
+        ready = pending.event if pending is not None else self.streams.record("compute")
+        with self.streams.side("host"):
+            self.streams.wait("host", ready)
+            host.copy_(self.grads.main_grad, non_blocking=True)
+            self._host_grad_event = self.streams.record("host")
+        self._host_grad_fresh = True
+
+    def scale_host_grads(self, coef: torch.Tensor, ranges: list[tuple[int, int]] | None) -> None:
+        """Clipping multiplies the device gradient by `coef`: do the same to a host copy already made (the whole
+        optimizer range, or `ranges` of it), and keep the device copy untouched until the transfer has read it.
+        The same fp32 multiply on the host gives the same bits; a coefficient of 1 (the clip did not bind)
+        changes nothing and costs no host pass. Whether it bound decides whether the next step copies early."""
+        if not self.offload:
+            return
+        value = float(coef.item())
+        self._early_host_copy = value == 1.0
+        if not self._host_grad_fresh:
+            return
+        self.streams.wait("compute", self._host_grad_event)
+        if value == 1.0:
+            return
+        self.wait_for_host_grads()
+        for lo, hi in ranges or [(0, self._host_grad.numel())]:
+            self._host_grad[lo:hi].mul_(value)
+
+    def wait_for_host_grads(self) -> None:
+        """Block the host until this group's gradient copy to host memory is complete (offload)."""
+        event = self._host_grad_event
+        if event is not None and hasattr(event, "synchronize"):
+            event.synchronize()
+
+    def _host_grad_buffer(self) -> torch.Tensor:
         if self._host_grad is None:
-            self._host_grad = _to_host(torch.empty(self.main.numel(), dtype=torch.float32, device=self.device))
-        self._host_grad.copy_(self.grads.main_grad, non_blocking=True)
+            self._host_grad = _host_empty(self.main.numel(), self.device)
+        return self._host_grad
+
+    def _stage_grads_on_host(self, pieces: list[MainParam]) -> None:
+        """Offload: the reduced gradient of the optimizer range in host memory (copied now, asynchronously, unless
+        `start_host_grad_copy` already did; `wait_for_host_grads` before the optimizer reads it), and `pieces`
+        pointed at it."""
+        if not self._host_grad_fresh:
+            self._host_grad_buffer().copy_(self.grads.main_grad, non_blocking=True)
+            self._host_grad_event = self.streams.record("compute")
+            self._host_grad_fresh = True
         for piece in pieces:
             if piece.holds:
                 numel = piece.stop - piece.start
                 piece.param.grad = self._host_grad[piece.offset : piece.offset + numel].view(piece.param.shape)
 
     def release_grads(self) -> None:
-        """Drop every main param's `.grad` and free the gradient buffer (after any reduction into it)."""
+        """Drop every main param's `.grad` and free the gradient buffer (after any reduction into it, and after the
+        copy of it to the host)."""
         for piece in self.main_params:
             piece.param.grad = None
+        if self._host_grad_event is not None:
+            self.streams.wait("compute", self._host_grad_event)
+        self._host_grad_event, self._host_grad_fresh = None, False
         self.grads.free()
 
     # -- after the optimizer step ----------------------------------------------------
@@ -267,21 +326,52 @@ class FlatParamGroup:
         `main` itself, so there is nothing to do but refresh parameters that are
         still unsharded (the root after a forward without backward).
         """
+        written, self._compute_weights_written = self._compute_weights_written, False
         if self.param_shard is not None:
             lo = self.param_range[0]
             piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
-            if piece.data_ptr() != self.main.data_ptr():  # fp32 compute steps the shard in place
-                piece.copy_(self.main, non_blocking=self.offload)  # from pinned host memory when offloaded
-            if self.plan.post_step_gather:
-                written = self.streams.record("compute")
+            if piece.data_ptr() != self.main.data_ptr() and not written and not self.offload:
+                piece.copy_(self.main)  # fp32 compute steps the shard in place
+            if self.offload or self.plan.post_step_gather:
+                ready = self.streams.record("compute")  # nothing queued on compute still reads the old shard
                 with self.streams.side("gather"):
-                    self.streams.wait("gather", written)
-                    sharded = self.layout.sharded_axes(State.OPTIM)
-                    self.comms.gather(piece, sharded, self.plan.post_step_gather, self.param_shard, lo)
+                    self.streams.wait("gather", ready)
+                    if self.offload:  # from pinned host memory, cast on the device; overlaps the next forward
+                        piece.copy_(self.main.to(self.device, non_blocking=True))
+                    if self.plan.post_step_gather:
+                        sharded = self.layout.sharded_axes(State.OPTIM)
+                        self.comms.gather(piece, sharded, self.plan.post_step_gather, self.param_shard, lo)
                     self._new_weights = self.streams.record("gather")
+        if self.param_shard is None:
+            self._gather_input_ready = written  # else stale: a write outside the step (a load) came after it
         if self.transient_unsharded and self.state is ParamState.UNSHARDED:
             self.state = ParamState.SHARDED  # stale: gather again (the storage is still there)
             self.start_unshard()  # on the gather stream, after the gather above
+
+    def compute_weights_out(self, prestage: bool) -> torch.Tensor | None:
+        """Where an optimizer that writes the new weights in the compute dtype as it steps (`FusedAdamW`) may put
+        them: a tensor aligned with `main` (the optimizer range), or None where nothing needs them.
+
+        Where a compute-dtype shard is kept (HFSDP's outer axis, ZeRO-1/2) it is that shard's optimizer range:
+        `publish_main_weights` then skips its own cast. Where none is kept (ZeRO-3, HSDP, one GPU) the next gather
+        casts `main` into its input slot; with `prestage` the slot's storage is allocated now and returned, so
+        the step writes it and that gather skips the cast (2 bytes per element held from the step to the unit's
+        forward, in exchange for the 6-byte cast). The caller writes every element of it, padding included, and
+        then calls `compute_weights_written`.
+        """
+        if self.offload or self.compute_dtype == torch.float32 or self.main.device != self.device:
+            return None
+        if self.param_shard is not None:
+            return self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
+        if not prestage or self.state is ParamState.GATHERING:
+            return None
+        if self.state is ParamState.SHARDED:  # allocated on the compute stream, which the step runs on
+            self.unsharded.untyped_storage().resize_(self.padded * self.unsharded.element_size())
+        return self.unsharded[slice(*self.param_range)]
+
+    def compute_weights_written(self) -> None:
+        """The tensor `compute_weights_out` returned holds this step's new weights (consumed by the next publish)."""
+        self._compute_weights_written = True
 
     def compute_shard(self) -> torch.Tensor:
         """This rank's parameter piece in the compute dtype (a fresh cast of `main` where none is kept)."""
@@ -306,6 +396,13 @@ class FlatParamGroup:
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor` in host memory, page-locked when it comes from a GPU (so copies back run asynchronously)."""
-    host = tensor.to("cpu", copy=True)
-    return host.pin_memory() if tensor.is_cuda else host
+    """A copy of `tensor` in host memory, page-locked when it comes from a GPU (so copies back run asynchronously);
+    allocated page-locked at once, without a pageable copy first."""
+    host = _host_empty(tensor.numel(), tensor.device, tensor.dtype).view(tensor.shape)
+    host.copy_(tensor)
+    return host
+
+
+def _host_empty(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised host buffer, page-locked when the group lives on a GPU."""
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")

@@ -33,6 +33,7 @@ from hfsdp.core.config import LayoutConfig
 from hfsdp.core.expert_naming import ExpertNaming
 from hfsdp.core.mesh import HybridMeshes
 from hfsdp.core.mixed_precision import MixedPrecision
+from hfsdp.core.offload_plan import check_offload
 from hfsdp.core.optimizer_hooks import install as install_optimizer_hooks
 from hfsdp.core.outer_config import DiLoCoConfig
 from hfsdp.core.sharding import ATTRIBUTE, Sharding, is_expert_param_default, sharding_of
@@ -128,9 +129,10 @@ def fully_shard(
     is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
     expert_naming: ExpertNaming | None = None,
     streams=None,
-    offload: bool = False,
+    offload: bool | float | str = False,
     reshard_root_after_forward: bool = False,
     diloco: DiLoCoConfig | None = None,
+    offload_reserve: int | None = None,
 ) -> nn.Module:
     """Shard `module` in place on `meshes` and return it: each of `units` gets its own buffers, the root the rest.
 
@@ -138,7 +140,10 @@ def fully_shard(
     - `is_expert(name, param)`: which parameters live on the expert mesh (default: megatron-core's mark);
     - `expert_naming`: how local expert indices map to global ones (needed to checkpoint with ep > 1);
     - `streams`: the streams to run collectives on (default: CUDA side streams on a GPU, none on a CPU);
-    - `offload`: keep the fp32 main weights and the optimizer state in host memory (the optimizer steps there);
+    - `offload`: keep the fp32 main weights and the optimizer state in host memory (the optimizer steps there):
+      True for all of it, a fraction from 0 to 1 for that share (whole units, the last ones first), or "auto"
+      for only what the device cannot hold, leaving `offload_reserve` bytes free (default: 10% of the device)
+      for activations (`offload_plan.py`);
     - `reshard_root_after_forward`: free the root's parameters after forward. By default the root keeps them
       through backward, as FSDP2's does: when the loss is computed inside the model (a megatron GPT), backward
       needs them at once. When it is computed outside (a transformers model's logits), resharding frees them
@@ -150,6 +155,9 @@ def fully_shard(
     if isinstance(module, HFSDPModule):
         raise ValueError(f"{type(module).__name__} is already sharded by hfsdp; call fully_shard once per model.")
     units = list(units)
+    check_offload(offload)
+    if offload_reserve is not None and (isinstance(offload_reserve, bool) or not isinstance(offload_reserve, int)):
+        raise ValueError(f"offload_reserve must be a whole number of bytes (or None), got {offload_reserve!r}")
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("the module has no parameter that requires a gradient: there is nothing to shard.")
     sharding = Sharding(
@@ -164,6 +172,7 @@ def fully_shard(
         offload=offload,
         reshard_root_after_forward=reshard_root_after_forward,
         diloco=diloco,
+        offload_reserve=offload_reserve,
     )
     module.__dict__[ATTRIBUTE] = sharding
     module.__class__ = _sharded_class(type(module))

@@ -41,6 +41,7 @@ from hfsdp.core.flat_group import FlatParamGroup, Location
 from hfsdp.core.main_params import MainParam
 from hfsdp.core.mesh import HybridMeshes
 from hfsdp.core.mixed_precision import MixedPrecision
+from hfsdp.core.offload_plan import plan_offload
 from hfsdp.core.outer_config import DiLoCoConfig
 from hfsdp.core.outer_sync import OuterSync
 from hfsdp.core.placement_names import State
@@ -79,13 +80,13 @@ class Sharding:
         is_expert: Callable[[str, nn.Parameter], bool],
         expert_naming: ExpertNaming | None,
         streams,
-        offload: bool,
+        offload: bool | float | str,
         reshard_root_after_forward: bool,
         diloco: DiLoCoConfig | None = None,
+        offload_reserve: int | None = None,
     ):
         self.module, self.config, self.meshes, self.mp = module, config, meshes, mp
         self.expert_naming = expert_naming
-        self.offload = offload  # fp32 main weights and optimizer state in host memory
         self.device = next(module.parameters()).device
         self.streams = streams if streams is not None else streams_for(self.device)
         _check_diloco(meshes, diloco, offload)
@@ -101,10 +102,22 @@ class Sharding:
             params = [(names[p], p) for p in unit_module.parameters() if p not in claimed and p.requires_grad]
             claimed.update(p for _, p in params)
             unit_params.append(params)
+        # Which units keep their fp32 main weights and optimizer state in host memory (offload_plan.py).
+        on_device = sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type == "cuda")
+        compute_bytes = (mp.param_dtype or torch.float32).itemsize
+        self.offload_plan = plan_offload(
+            offload,
+            [sum(p.numel() for _, p in params) for params in unit_params],
+            meshes.dense_layout,
+            compute_bytes,
+            self.device,
+            on_device,
+            offload_reserve,
+        )
         self.units: list[ShardedUnit] = []
         for index, (unit_module, params) in enumerate(zip(unit_modules, unit_params, strict=True)):
             is_root = unit_module is module
-            groups = self._make_groups(params, locations, is_expert, index)
+            groups = self._make_groups(params, locations, is_expert, index, self.offload_plan.units[index])
             self.units.append(
                 ShardedUnit(
                     unit_module,
@@ -130,7 +143,12 @@ class Sharding:
         apart = meshes.dense_layout.independent_axes()
         self.norm_group = meshes.dense.get_group(meshes.dense_layout.names[-1]) if apart else None
 
-    def _make_groups(self, params, locations, is_expert, unit_index: int) -> list[FlatParamGroup]:
+    @property
+    def offload(self) -> bool:
+        """Whether any group keeps its main weights and optimizer state in host memory."""
+        return any(self.offload_plan.units)
+
+    def _make_groups(self, params, locations, is_expert, unit_index: int, offload: bool) -> list[FlatParamGroup]:
         buckets: dict[tuple[bool, torch.dtype], list] = {}
         for name, param in params:
             buckets.setdefault((is_expert(name, param), param.dtype), []).append((name, param))
@@ -159,7 +177,7 @@ class Sharding:
                 unit_index=unit_index,
                 owner=weakref.ref(self),
                 streams=self.streams,
-                offload=self.offload,
+                offload=offload,
             )
             groups.append(group)
         return groups
@@ -184,9 +202,10 @@ class Sharding:
     def _still_held(self) -> bool:
         """Whether this rank still holds unconsumed gradients: a main param's `.grad`, or (where `.grad` is made only
         at the step: another reduce dtype, offload) the buffer."""
-        deferred = self.mp.reduce_dtype != torch.float32 or self.offload
+        deferred = self.mp.reduce_dtype != torch.float32
         return any(
-            (deferred and g.grads.holds) or any(p.param.grad is not None for p in g.main_params) for g in self.groups
+            ((deferred or g.offload) and g.grads.holds) or any(p.param.grad is not None for p in g.main_params)
+            for g in self.groups
         )
 
     def _end_backward(self) -> None:
@@ -218,13 +237,15 @@ class Sharding:
                 f"microbatch {self.step.count - 1}, or declare fewer microbatches."
             )
         if self.step.phase is StepPhase.GRADS_READY:
-            for group, mine in self._by_group(pieces):
+            stepped = self._by_group(pieces)
+            for group, mine in stepped:
                 group.expose_grads(mine, copy=True)
-            if self.offload and torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the host gradients are in before the CPU reads them
+            for group, _ in stepped:
+                group.wait_for_host_grads()  # the host gradients are in before the CPU reads them
 
     def after_step(self, pieces: list[MainParam]) -> None:
-        """Publish the stepped groups' new weights (collective, group order) and consume the stepped gradients."""
+        """Publish the stepped groups' new weights (collective: the next forward's order on every rank) and consume the
+        stepped gradients."""
         if self.step.phase is not StepPhase.GRADS_READY:
             return
         stepped = self._by_group(pieces)
@@ -243,9 +264,12 @@ class Sharding:
             self.step.phase = StepPhase.IDLE
 
     def _in_order(self, groups: Iterable[FlatParamGroup]) -> list[FlatParamGroup]:
-        """`groups`, each once, in the model's group order: the same on every rank (publishing is collective)."""
+        """`groups`, each once, in the next forward's order, the root first (the same on every rank: publishing is
+        collective). Each unit's weights then arrive (a gather, or from host memory) before those of the units that
+        run after it, so the forward can start on the first."""
         ids = {id(g) for g in groups}
-        return [g for g in self.groups if id(g) in ids]
+        root = self.units[-1].groups
+        return [g for g in [*root, *self.groups[: len(self.groups) - len(root)]] if id(g) in ids]
 
     def sync_outer(self) -> None:
         """Run the outer step of every fragment not synced since the last optimizer step and republish (collective):

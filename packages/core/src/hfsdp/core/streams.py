@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-KINDS = ("compute", "gather", "reduce")
+KINDS = ("compute", "gather", "reduce", "host")
 
 
 class SyncStreams:
@@ -41,7 +41,8 @@ class SyncStreams:
 
 
 class CudaStreams:
-    """The compute stream plus high-priority side streams for gathers and reductions."""
+    """The compute stream plus high-priority side streams for gathers and reductions, and one for copies of
+    offloaded gradients to host memory (so they never queue in front of a reduction)."""
 
     overlaps = True
 
@@ -50,6 +51,7 @@ class CudaStreams:
             "compute": torch.cuda.current_stream(device),
             "gather": torch.cuda.Stream(device, priority=-1),
             "reduce": torch.cuda.Stream(device, priority=-1),
+            "host": torch.cuda.Stream(device),
         }
 
     def side(self, kind: str):

@@ -120,5 +120,7 @@ class ShardedUnit:
         scale, last = self.step.grad_scale, self.step.is_last
         for group in self.groups:
             group.grads.accumulate(scale, last)
+            if last:
+                group.start_host_grad_copy()  # offloaded groups only: to the host while backward goes on
         self.reshard()
         self.reduced = True

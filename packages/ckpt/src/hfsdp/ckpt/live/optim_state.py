@@ -67,6 +67,12 @@ def _members(optimizer, model):
             yield index, param, piece
 
 
+def optimizer_kind(optimizer) -> str:
+    """What a checkpoint records as the optimizer's kind: its class name, or the `state_format` a class declares
+    when its state is another's (hfsdp.core.FusedAdamW keeps torch's AdamW state, so the two load each other's)."""
+    return getattr(type(optimizer), "state_format", type(optimizer).__name__)
+
+
 def local_report(model, optimizer) -> Report:
     """What this rank's optimizer holds, for the record: its groups, per-element kinds and per-parameter scalars."""
     groups = [{"hyper": _hyper(group), "names": []} for group in optimizer.param_groups]
@@ -81,7 +87,7 @@ def local_report(model, optimizer) -> Report:
         for key, value in state.items():
             _sort_state(piece, key, value, kinds, scalars)
     return {
-        "type": type(optimizer).__name__,
+        "type": optimizer_kind(optimizer),
         "groups": groups,
         "kinds": kinds,
         "scalars": scalars,
@@ -172,7 +178,7 @@ def check_matches(optimizer, model, record: dict[str, Any] | None, source: str) 
             f"The checkpoint {source} holds no optimizer state (it was saved without an optimizer, or imported); "
             "load it with optimizer=None and start the optimizer fresh."
         )
-    if record["type"] != type(optimizer).__name__:
+    if record["type"] != optimizer_kind(optimizer):
         raise CheckpointError(
             f"The checkpoint {source} was saved with {record['type']}, but the optimizer is "
             f"{type(optimizer).__name__}; use the same optimizer class, or load with optimizer=None."

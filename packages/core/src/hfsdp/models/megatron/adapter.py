@@ -86,7 +86,7 @@ def shard_megatron_model(
     device_type: str,
     mp: MixedPrecision | None = None,
     *,
-    offload: bool = False,
+    offload: bool | float | str = False,
     reshard_root_after_forward: bool = False,
     streams=None,
     diloco=None,

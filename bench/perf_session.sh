@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Issue 24 in one device call (one H200; the 2-GPU phase runs only where 2 GPUs are present):
+#   env           versions, GPU, host memory
+#   check         bench/perf_checks.py: FusedAdamW's Triton kernel = its torch path bit for bit and within 1e-6 of
+#                 float64; the engine with FusedAdamW and with a share offloaded against hfsdp with torch's AdamW;
+#                 the kernel's speed against torch's fused AdamW and a copy
+#   floor3b       Llama 3.0B (28 layers, hidden 3072, ffn 8192, GQA 24/8 heads), eager, micro-batch 2: the model
+#                 alone, hfsdp (torch fused AdamW), hfsdp+fused, +clip, +prestage, FSDP2; MFU; the bandwidth floor
+#   h67, f67      Llama 6.7B (32 x 4096, ffn 11008), micro-batch 1, no offload: hfsdp (and +fused+clip+prestage),
+#                 then FSDP2, each in its own process
+#   o67full       the 6.7B with all of the optimizer state offloaded (hfsdp --offload-fraction 1)
+#   largest       bench/largest_model.py: the largest Llama that trains (recompute, offload='auto'), largest
+#                 predicted first; FSDP2 at that size where it is predicted to fit
+#   o67half       the 6.7B with half offloaded
+#   fsdp2off67    FSDP2 CPUOffloadPolicy at 6.7B (host-memory bound: in the issue it was killed by the OOM killer)
+#   two           2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1 of both 0.95B models, hfsdp and hfsdp+fused+clip vs FSDP2
+# A phase that would not fit in what is left of BUDGET seconds is skipped, and says so; a failed phase does not stop
+# the next. Full logs and JSON stay in OUT_DIR; the summary (bench/perf_summary.py) is printed last.
+# Usage (repository root on the GPU machine): bash bench/perf_session.sh OUT_DIR [PHASES]
+set -u
+out=${1:?output directory}
+phases=${2:-"env check floor3b h67 f67 o67full largest o67half fsdp2off67 two"}
+BUDGET=${BUDGET:-420}
+start=$(date +%s)
+mkdir -p "$out"
+: >"$out/status.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then  # megatron-core, for the GPT of the 2-GPU phase
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:packages/core/src:packages/ckpt/src:packages/cli/src
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+left() { echo $((BUDGET - ($(date +%s) - start))); }
+# phase NAME ESTIMATE_S MAX_S COMMAND...: run unless fewer than ESTIMATE_S seconds are left; log to OUT/NAME.log
+phase() {
+  local name=$1 est=$2 max=$3 remaining limit t0 rc
+  shift 3
+  remaining=$(left)
+  if [ "$remaining" -lt "$est" ]; then
+    echo "SKIPPED $name (${remaining} s left of ${BUDGET}, needs about ${est})" | tee -a "$out/status.txt"
+    return 0
+  fi
+  limit=$((remaining < max ? remaining : max))
+  echo "=== $name (limit ${limit} s)"
+  t0=$(date +%s)
+  timeout --kill-after=15 "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  if [ $rc = 0 ]; then state=OK; else state="FAILED rc=$rc"; fi
+  echo "$state $name $(($(date +%s) - t0)) s" | tee -a "$out/status.txt"
+  grep -E "^(PASS|FAIL|kernel timing|measured|MFU denominator|!!!)" "$out/$name.log" | grep -v "^PASS" | head -20
+  return 0
+}
+
+BENCH="torchrun --nproc-per-node 1 bench/bench_step.py --device cuda --model llama --vocab 32000 --seq-len 2048"
+BENCH="$BENCH --dtype bf16 --build-on-device"
+L3B="--layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8 --micro-batch-size 2"
+L67="--layers 32 --hidden 4096 --ffn 11008 --heads 32 --micro-batch-size 1"
+VARIANTS="hfsdp,hfsdp+fused,hfsdp+fused+clip,hfsdp+fused+clip+prestage"
+for name in $phases; do
+  case $name in
+    env)
+      phase env 3 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv;
+        python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], torch.__version__,
+        triton.__version__, transformers.__version__, torch.cuda.device_count())"; head -3 /proc/meminfo; nproc' ;;
+    check) phase check 30 120 python3 bench/perf_checks.py --out "$out/checks.json" ;;
+    floor3b)
+      phase floor3b 90 240 $BENCH $L3B --steps 6 --warmup 2 --floor --engines "$VARIANTS,fsdp2,model" \
+        --out "$out/floor3b.json" ;;
+    h67) phase h67 40 150 $BENCH $L67 --steps 4 --warmup 2 --engines hfsdp,hfsdp+fused+clip+prestage --out "$out/h67.json" ;;
+    f67) phase f67 35 150 $BENCH $L67 --steps 4 --warmup 2 --engines fsdp2 --out "$out/f67.json" ;;
+    o67full)
+      phase o67full 60 150 $BENCH $L67 --steps 2 --warmup 1 --engines hfsdp --offload-fraction 1 --out "$out/o67full.json" ;;
+    o67half)
+      phase o67half 45 120 $BENCH $L67 --steps 3 --warmup 1 --engines hfsdp --offload-fraction 0.5 --out "$out/o67half.json" ;;
+    largest)
+      budget=$(( $(left) - 10 ))
+      phase largest 90 300 python3 bench/largest_model.py --out "$out" --budget-s "$((budget < 290 ? budget : 290))" \
+        --fsdp2-anyway --fsdp2-timeout-s 90 ;;
+    fsdp2off67)
+      phase fsdp2off67 90 150 $BENCH $L67 --steps 2 --warmup 1 --engines fsdp2 --offload --out "$out/fsdp2off67.json" ;;
+    two)
+      gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+      if [ "${gpus:-0}" -ge 2 ] 2>/dev/null; then
+        T="torchrun --nproc-per-node 2 bench/bench_step.py --device cuda --dtype bf16 --seq-len 2048 --vocab 32000"
+        T="$T --micro-batch-size 4 --steps 8 --warmup 3 --layouts zero3:1x2,hsdp:2x1,hfsdp:2x1"
+        T="$T --engines hfsdp,hfsdp+fused+clip,fsdp2"
+        phase two-llama 150 300 $T --model llama --layers 16 --hidden 2048 --heads 16 --ffn 5632 --out "$out/two-llama.json"
+        phase two-gpt 150 300 $T --model gpt --layers 16 --hidden 2048 --heads 16 --out "$out/two-gpt.json"
+      else
+        echo "SKIPPED two (one GPU here)" | tee -a "$out/status.txt"
+      fi ;;
+    *) echo "unknown phase $name" | tee -a "$out/status.txt" ;;
+  esac
+done
+echo "=== summary ($(($(date +%s) - start)) s in all)"
+python3 bench/perf_summary.py "$out"
