@@ -60,7 +60,7 @@ def assert_refused_before_start(code: int, output: str, seconds: float, flag: st
     assert output.startswith((f"error: {flag}: ", f"error: {flag} ")) and text in output, output
     assert len(output.strip().splitlines()) == 1
     assert "starting" not in output and "Traceback" not in output
-    assert seconds < 5
+    assert seconds < 60  # refused before launch: no rank started, nothing hung (a bound for a loaded box, not a speed)
 
 
 def test_load_of_a_directory_that_is_no_checkpoint(tmp_path):
@@ -199,14 +199,14 @@ def test_save_steps(start, steps, every, expected):
 
 
 def test_model_config_that_is_no_causal_lm(tmp_path):
-    """A --model-config that is not JSON or is missing is an invalid setting (exit 1, as validate-config says); one
-    that names an architecture without decoder layers is refused by the pre-launch build (exit 2); both before
-    any rank starts, naming --model-config."""
+    """A --model-config that is not JSON or is missing is a file that cannot be used (exit 2); one that names an
+    architecture without decoder layers is refused by the pre-launch build (exit 2); all before any rank starts,
+    naming --model-config."""
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     encoder = tmp_path / "bert.json"
     encoder.write_text('{"model_type": "bert", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 2}')
-    cases = ((broken, "cannot be read", 1), (tmp_path / "none.json", "is missing", 1), (encoder, "decoder", 2))
+    cases = ((broken, "cannot be read", 2), (tmp_path / "none.json", "is missing", 2), (encoder, "decoder", 2))
     for path, text, exit_code in cases:
         code, output, seconds = train_hf(str(path))
         assert_refused_before_start(code, output, seconds + 0, "--model-config", text, exit_code)

@@ -88,11 +88,12 @@ def test_train_hfsdp_two_instances_runs_and_learns(hfsdp_run):
 
 
 def test_output_for_logs_is_plain_lines_and_stderr_stays_empty(hfsdp_run):
-    """Piped, the run prints "starting 4 ranks (layout)" first, then one plain line every --log-every steps, and
-    nothing at all on stderr: megatron-core's warnings are silenced in every rank."""
+    """Piped, the run prints the model's size and memory, then "starting 4 ranks (layout)", then one plain line
+    every --log-every steps, and nothing at all on stderr: megatron-core's warnings are silenced in every rank."""
     result, _ = hfsdp_run
     lines = result.stdout.splitlines()
-    assert lines[0] == "starting 4 ranks (HFSDP 2x2 (optim over optim_grads_params))"
+    assert lines[0].startswith("model: ") and "HFSDP 2x2 needs about" in lines[0]
+    assert lines[1] == "starting 4 ranks (HFSDP 2x2 (optim over optim_grads_params))"
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["4/8", "8/8"]
     assert "\r" not in result.stdout and "━" not in result.stdout
     assert result.stderr == ""

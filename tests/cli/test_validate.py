@@ -332,7 +332,7 @@ def test_hostile_file_is_refused_fast_with_one_message(tmp_path, name, text, cod
     path.write_bytes(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
     began = time.monotonic()
     result = invoke(path)
-    assert time.monotonic() - began < 2
+    assert time.monotonic() - began < 10  # no hang and no unbounded read (a bound for a loaded box, not a speed)
     assert result.exit_code == code, result.output
     assert reason in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)

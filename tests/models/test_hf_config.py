@@ -94,7 +94,7 @@ def test_bad_configs_are_refused_at_once_by_the_reader_train_and_import(tmp_path
     began = time.monotonic()
     with pytest.raises(HFModelError) as err:
         read_hf_config(model)
-    assert time.monotonic() - began < 2
+    assert time.monotonic() - began < 10  # at once: nothing read past the bound, no FIFO waited on
     message = str(err.value)
     assert words in message and str(model / "config.json") in message and "\n" not in message
 

@@ -1,6 +1,6 @@
 """Everything a training run can be told, in one table: flag, config-file key, default, help, rule.
 
-`hfsdp train` generates its options from `SETTINGS`, the config-file reader finds keys
+`hfsdp train` generates its options from `SETTINGS` (each a `Setting`, `setting.py`), the config-file reader finds keys
 through it, and `train_config.resolve` checks every value with the rules written here
 (and those between settings, in `rules.py`), for `hfsdp train` and `hfsdp validate-config`
 alike: one set of rules, so a file one accepts the other accepts. Adding a setting is one
@@ -12,18 +12,26 @@ the layout rules; their file keys are core's `MEGATRON_NAMES`. Nothing here impo
 
 from __future__ import annotations
 
-import difflib
-import math
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, fields
 from typing import Any
 
+from hfsdp.cli.setting import (
+    Check,
+    Setting,
+    boolean,
+    fraction_or_auto,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    path,
+    positive_int,
+    positive_number,
+    seed,
+    unit_interval,
+)
 from hfsdp.core.config import MEGATRON_NAMES
 from hfsdp.core.outer_config import COMM_DTYPES, CONFIG_KEYS, DiLoCoConfig
 from hfsdp.core.strategy import Strategy
-
-#: A per-value rule: None when `value` is fine, else what it must be ("must be a positive whole number ...").
-Check = Callable[[Any], str | None]
 
 STRATEGIES = ", ".join(Strategy.names()) + " (or ddp, zero1, zero2, zero3)"
 INNER_STRATEGIES = ", ".join(s.value for s in Strategy.sharding()) + " (or ddp, zero1, zero2, zero3)"
@@ -37,95 +45,6 @@ OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer: adam is AdamW (decoupled
 DILOCO_SETTINGS = {flag[2:].replace("-", "_"): field for field, (_, flag) in CONFIG_KEYS.items()}
 #: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
 GPT_SETTINGS = ("layers", "hidden", "heads", "vocab", "normalization", "swiglu", "num_query_groups", "num_moe_experts")
-#: One megatron-core seed offset is added to the seed; keep the sum a valid 32-bit seed.
-MAX_SEED = 2**31 - 1
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def positive_int(value: object) -> str | None:
-    return None if _is_int(value) and value >= 1 else "must be a positive whole number such as 1, 2 or 8"
-
-
-def seed(value: object) -> str | None:
-    return None if _is_int(value) and 0 <= value <= MAX_SEED else f"must be a whole number from 0 to {MAX_SEED}"
-
-
-def non_negative_int(value: object) -> str | None:
-    return None if _is_int(value) and value >= 0 else "must be a whole number >= 0 such as 0 or 100"
-
-
-def boolean(value: object) -> str | None:
-    return None if isinstance(value, bool) else "must be true or false"
-
-
-def positive_number(value: object) -> str | None:
-    return None if _is_number(value) and value > 0 else "must be a positive number such as 3e-4"
-
-
-def non_negative_number(value: object) -> str | None:
-    return None if _is_number(value) and value >= 0 else "must be a number >= 0 such as 0, 0.01 or 1.0"
-
-
-def unit_interval(value: object) -> str | None:
-    return None if _is_number(value) and 0 <= value < 1 else "must be a number in [0, 1) such as 0.9"
-
-
-def one_of(*choices: str) -> Check:
-    def check(value: object) -> str | None:
-        if value in choices:
-            return None
-        guess = difflib.get_close_matches(value, choices, n=1, cutoff=0.8) if isinstance(value, str) else []
-        return f"must be one of {', '.join(choices)}" + (f" (did you mean {guess[0]}?)" if guess else "")
-
-    return check
-
-
-def fraction_or_auto(value: object) -> str | None:
-    """A share from 0 to 1 (a number, or its text from a flag), or "auto"."""
-    if value == "auto":
-        return None
-    number = value
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            number = None
-    if _is_number(number) and 0 <= number <= 1:
-        return None
-    return "must be a number from 0 to 1 (the share of the optimizer state in host memory) or auto"
-
-
-def path(value: object) -> str | None:
-    return None if isinstance(value, str) and value.strip() else "must be a path"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One thing a run can be told. `name` is the attribute of TrainConfig (or the LayoutConfig field)."""
-
-    name: str
-    flag: str | None  # the `hfsdp train` option; None when only a config file sets it
-    default: Any
-    type: type  # of the flag's value
-    help: str
-    check: Check | None = None  # layout settings: None, LayoutConfig checks them
-    key: str | None = None  # the config-file key, Megatron's name; None when only the flag sets it
-    layout: bool = False
-    arch: bool = False  # part of the model's architecture: a resumed checkpoint must have the same
-    panel: str = "Training"  # the group --help lists it under
-    default_text: str | None = None  # what --help shows as the default, when not str(default)
-    hidden: bool = False
-
-    @property
-    def shown_default(self) -> str:
-        return self.default_text if self.default_text is not None else str(self.default)
 
 
 def _layout(name: str, flag: str | None, default: Any, type_: type, help_text: str, **kw) -> Setting:
