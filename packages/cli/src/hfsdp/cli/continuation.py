@@ -13,19 +13,19 @@ rank starts (under torchrun every rank calls it, with its own WORLD_SIZE).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from hfsdp.cli.train_config import Given, TrainConfig, resolve
-from hfsdp.core.config import ConfigError, LayoutConfig, Problem
+from hfsdp.core.config import ConfigError, Problem
 
 #: A Given's source: the value came from the checkpoint the run resumes (or from the run itself, on a restart).
 CHECKPOINT = "checkpoint"
 
 
-def derive(cfg: TrainConfig, nproc: int | None = None, **values: Given) -> TrainConfig:
-    """`cfg` with some settings replaced (every rule checked again); raises ConfigError."""
-    given = {**cfg.given, **values}
-    return resolve(given, nproc=nproc if nproc is not None else cfg.nproc)
+def derive(given: Mapping[str, Given], nproc: int, **values: Given) -> TrainConfig:
+    """The run `given` describes, with some settings replaced, every rule checked again; raises ConfigError."""
+    return resolve({**given, **values}, nproc=nproc)
 
 
 def keep_batch(cfg: TrainConfig, saved: dict[str, Any], where: str) -> TrainConfig:
@@ -37,7 +37,7 @@ def keep_batch(cfg: TrainConfig, saved: dict[str, Any], where: str) -> TrainConf
     if batch is None or cfg.explicit("global_batch_size") or batch == cfg.layout.global_batch_size:
         return cfg
     try:
-        return derive(cfg, global_batch_size=Given(batch, "the checkpoint's global batch", CHECKPOINT))
+        return derive(cfg.given, cfg.nproc, global_batch_size=Given(batch, "the checkpoint's global batch", CHECKPOINT))
     except ConfigError as err:
         raise ConfigError([Problem("--load", unsplittable(cfg, batch, where))]) from err
 
@@ -45,60 +45,68 @@ def keep_batch(cfg: TrainConfig, saved: dict[str, Any], where: str) -> TrainConf
 def unsplittable(cfg: TrainConfig, batch: int, where: str) -> str:
     """Why the checkpoint's global batch `batch` cannot be trained on this run's ranks, and the sizes that can."""
     dp, micro = cfg.layout.dp, cfg.layout.micro_batch_size
+    return (
+        f"the checkpoint {where} trained with a global batch of {batch} sequences per step, which "
+        f"{split_advice(batch, micro, dp, '--micro-batch-size')} Resume on one of those, or set --global-batch-size "
+        f"to change the run's batch (a multiple of {micro * dp}; the learning-rate schedule keeps counting steps)."
+    )
+
+
+def split_advice(batch: int, micro: int, dp: int, micro_flag: str) -> str:
+    """'does not split over 3 ranks with --micro-batch-size 2 (...). Numbers of ranks that split it ...: ...'."""
     worlds = [w for w in range(1, batch // micro + 1) if batch % (micro * w) == 0]
     micros = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0]
     ranks = f"{dp} rank{'s' if dp != 1 else ''}"
     return (
-        f"the checkpoint {where} trained with a global batch of {batch} sequences per step, which does not split over "
-        f"{ranks} with --micro-batch-size {micro} (it is not a multiple of {micro} x {dp} = {micro * dp}). Numbers of "
-        f"ranks that split it with --micro-batch-size {micro}: {_listed(worlds)}; micro-batch sizes that split it over "
-        f"{ranks}: {_listed(micros)}. Resume on one of those, or set --global-batch-size to change the run's batch (a "
-        f"multiple of {micro * dp}; the learning-rate schedule keeps counting steps)."
+        f"does not split over {ranks} with {micro_flag} {micro} (it is not a multiple of {micro} x {dp} = "
+        f"{micro * dp}). Numbers of ranks that split it with {micro_flag} {micro}: {_listed(worlds)}; micro-batch "
+        f"sizes that split it over {ranks}: {_listed(micros)}."
     )
 
 
-def working_worlds(layout: LayoutConfig, batch: int | None, up_to: int | None = None) -> list[int]:
-    """World sizes on which `layout`, with its inner size kept and its instances changed, can train `batch`."""
-    inner = layout.inner_size
-    limit = up_to or max(4 * layout.world_size, inner)
-    found = []
-    for world in range(inner, limit + 1, inner):
+def on_world(given: Mapping[str, Given], world: int, inner: int, batch: int | None, **values: Given) -> TrainConfig:
+    """The run on `world` ranks after a restart: `inner` ranks per instance, world / inner instances, its global
+    batch `batch` kept (and any other `values` replaced). Raises ConfigError naming the world sizes that work."""
+    if world % inner:
+        why = f"{world} is not a multiple of the {inner} ranks of one instance."
+    else:
         try:
-            LayoutConfig(**{**layout.to_dict(), "world_size": world, "instances": world // inner,
-                            "global_batch_size": batch})  # fmt: skip
+            return derive(given, world, **_world_values(given, world, inner, batch), **values)
+        except ConfigError as err:
+            why = " ".join(p.message for p in err.problems)
+    works = working_worlds(given, inner, batch, up_to=4 * max(world, inner))
+    raise ConfigError(
+        [
+            Problem(
+                "world size",
+                f"the run cannot continue on {world} ranks: {why} It keeps {inner} ranks per instance and its global "
+                f"batch of {batch} sequences; world sizes that work: {_listed(works)}.",
+            )
+        ]
+    )
+
+
+def working_worlds(given: Mapping[str, Given], inner: int, batch: int | None, up_to: int) -> list[int]:
+    """World sizes on which the run, keeping `inner` ranks per instance and its global batch, is a valid layout."""
+    found = []
+    for world in range(inner, up_to + 1, inner):
+        try:
+            derive(given, world, **_world_values(given, world, inner, batch))  # a multiple of inner
         except ConfigError:
             continue
         found.append(world)
     return found
 
 
-def on_world(cfg: TrainConfig, world: int, inner: int, batch: int | None) -> TrainConfig:
-    """The run's layout on `world` ranks after a restart: `inner` ranks per instance, world / inner instances, the
-    run's global batch `batch` kept. Raises ConfigError naming the world sizes that work."""
-    values: dict[str, Given] = {"world_size": Given(world, cfg.given["world_size"].spelled, CHECKPOINT)}
-    if world % inner == 0:
-        values["instances"] = Given(world // inner, "--instances", CHECKPOINT)
+def _world_values(given: Mapping[str, Given], world: int, inner: int, batch: int | None) -> dict[str, Given]:
+    spelled = given["world_size"].spelled if "world_size" in given else "WORLD_SIZE"
+    values = {
+        "world_size": Given(world, spelled, CHECKPOINT),
+        "instances": Given(world // inner, "--instances", CHECKPOINT),
+    }
     if batch is not None:
         values["global_batch_size"] = Given(batch, "the run's global batch", CHECKPOINT)
-    problem = None
-    if world % inner:
-        problem = f"{world} is not a multiple of the {inner} ranks of one instance"
-    else:
-        try:
-            return derive(cfg, nproc=world, **values)
-        except ConfigError as err:
-            problem = "; ".join(p.message for p in err.problems)
-    same = LayoutConfig(**{**cfg.layout.to_dict(), "world_size": inner * cfg.layout.instances,
-                           "instances": cfg.layout.instances, "global_batch_size": batch})  # fmt: skip
-    raise ConfigError(
-        [
-            Problem(
-                "world size",
-                f"the run cannot continue on {world} ranks ({problem}). It keeps {inner} ranks per instance and its "
-                f"global batch of {batch}; world sizes that work: {_listed(working_worlds(same, batch))}.",
-            )
-        ]
-    )
+    return values
 
 
 def _listed(sizes: list[int]) -> str:

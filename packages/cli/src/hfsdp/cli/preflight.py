@@ -35,6 +35,7 @@ class Plan:
     start_step: int = 0
     checkpoint: Path | None = None
     checkpoint_layout: str | None = None
+    saved_layout: dict | None = None  # the checkpoint's layout record (its global batch, inner size, ...)
 
     def nothing_to_do(self, cfg: TrainConfig) -> str | None:
         """The message when the checkpoint is already at (or past) --steps, else None."""
@@ -162,7 +163,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
     try:
         run = model_settings(cfg)
     except ValueError:
-        return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)  # reported above
+        return Plan(step, ckpt_dir, layout.layout_name, dict(index.layout))  # reported above
     if ("model_config" in run) != ("model_config" in saved) and ("layers" in saved or "model_config" in saved):
         then = "a Hugging Face model" if "model_config" in saved else "the megatron-core GPT"
         now = "--model-config's model" if "model_config" in run else "the megatron-core GPT"
@@ -184,7 +185,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
                     f"{shown(run['model_config'][differ[0]])}; resume with the config that saved it.",
                 )
             )
-        return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
+        return Plan(step, ckpt_dir, layout.layout_name, dict(index.layout))
     for name, value in saved.items():
         if name in run and run[name] != value:
             flag = BY_NAME[name].flag
@@ -196,7 +197,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
                     f"{flag} {now}; pass {flag} {then} to resume it, or start without --load.",
                 )
             )
-    return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
+    return Plan(step, ckpt_dir, layout.layout_name, dict(index.layout))
 
 
 def _hf_model(cfg: TrainConfig, problems: list[Problem]) -> None:
@@ -240,16 +241,25 @@ def _shapes_from_index(index) -> dict[str, int]:
 
 
 def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
-    """--save: a directory (or one that can be created) that we can write, without the steps this run saves."""
+    """--save: a directory (or one that can be created) that we can write, without the published steps this run
+    would save (an unpublished orphan, above `latest`, is what a killed save left; a save replaces it)."""
+    from hfsdp.ckpt import CheckpointError
+    from hfsdp.ckpt.format.store import latest_step
+
     root = Path(cfg.save)
     if root.exists() and not root.is_dir():
         problems.append(Problem("--save", f"--save {root} is a file, not a directory; give a checkpoint directory."))
         return
     if not _writable_dir(root, "--save", problems):
         return
+    try:
+        published = latest_step(root) if root.is_dir() else None
+    except CheckpointError as err:
+        problems.append(Problem("--save", str(err)))
+        return
     for step in save_steps(start, cfg.steps, cfg.save_every):
         taken = root / f"step-{step}"
-        if taken.exists():
+        if taken.exists() and published is not None and step <= published:
             problems.append(
                 Problem(
                     "--save",

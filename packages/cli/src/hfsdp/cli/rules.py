@@ -90,6 +90,30 @@ def _warmup_before_decay_end(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _restarts_resume_from_save(v: dict[str, Any], said) -> str | None:
+    if v["max_restarts"] and v["save"] is None:
+        return (
+            f"{said('max_restarts')} resumes every restart from the run's own checkpoints, but there is no --save; "
+            "add --save DIR (and --save-every K), or drop --max-restarts."
+        )
+    return None
+
+
+def _min_nproc_needs_restarts(v: dict[str, Any], said) -> str | None:
+    if v["min_nproc"] is not None and not v["max_restarts"]:
+        return (
+            f"{said('min_nproc')} says how small a restart may shrink the run, but there are no restarts; add "
+            "--max-restarts N."
+        )
+    return None
+
+
+def _async_save_needs_save(v: dict[str, Any], said) -> str | None:
+    if v["async_save"] and v["save"] is None:
+        return f"{said('async_save')} needs --save DIR to say where checkpoints go; add --save or drop it."
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),
@@ -99,4 +123,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("moe_topk", "num_moe_experts"), _topk_within_experts),
     _needs_save("save_every"),
     _needs_save("save_keep"),
+    Rule(("max_restarts", "save"), _restarts_resume_from_save),
+    Rule(("min_nproc", "max_restarts"), _min_nproc_needs_restarts),
+    Rule(("async_save", "save"), _async_save_needs_save),
 )
