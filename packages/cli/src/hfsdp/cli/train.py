@@ -101,8 +101,11 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
         if rank == 0:
             say(f"rank 0 of {torchrun_world} starting ({cfg.layout.layout_name})")
         return run_rank(cfg, resumed_from)
-    from hfsdp.cli.launch import launch
+    from hfsdp.cli.restarts import check_shrinking, launch
 
+    if problems := check_shrinking(cfg):
+        report(problems, "the run cannot shrink as asked")
+        return EXIT_INVALID
     return launch(cfg, resumed_from)
 
 

@@ -23,7 +23,7 @@ import warnings
 import torch.distributed as dist
 
 from hfsdp.ckpt import CheckpointError
-from hfsdp.cli import stopping
+from hfsdp.cli import stopping, timeline
 from hfsdp.cli.report import say
 from hfsdp.cli.run_dir import RUN_DIR_ENV, error_file
 from hfsdp.cli.train_config import TrainConfig
@@ -44,6 +44,8 @@ def run_rank(cfg: TrainConfig, resumed_from: str | None = None) -> int:
     quiet_warnings()
     stopping.install()
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        timeline.note(cfg.timeline, "rank started")
     run_dir = os.environ.get(RUN_DIR_ENV)
     try:
         from hfsdp.cli.train_loop import run_training
