@@ -74,7 +74,8 @@ def on_world(given: Mapping[str, Given], world: int, inner: int, batch: int | No
             return derive(given, world, **_world_values(given, world, inner, batch), **values)
         except ConfigError as err:
             why = " ".join(p.message for p in err.problems)
-    works = working_worlds(given, inner, batch, up_to=4 * max(world, inner))
+    first = given["world_size"].value if "world_size" in given and isinstance(given["world_size"].value, int) else 0
+    works = working_worlds(given, inner, batch, up_to=2 * max(world, first, inner))
     raise ConfigError(
         [
             Problem(

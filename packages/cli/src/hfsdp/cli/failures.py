@@ -24,6 +24,7 @@ class Hang:
     """What the watchdog found: the rank that made no progress, where, for how long, and where the stacks are."""
 
     rank: int
+    pid: int
     step: int
     phase: str
     seconds: float
@@ -42,6 +43,7 @@ class Failure:
     short: str
     lines: tuple[str, ...]
     restartable: bool = True
+    pid: int | None = None
 
 
 def at(step: int | None) -> str:
@@ -55,7 +57,7 @@ def read_failure(err, run_dir: Path, step: int | None, hang: Hang | None) -> Fai
         path = error_file(run_dir, rank)
         if path.is_file():
             message = path.read_text().strip()
-            return Failure(rank, "error", step, f"rank {rank}: {message}", (f"error: {message}",), False)
+            return Failure(rank, "error", step, f"rank {rank}: {message}", (f"error: {message}",), False, None)
     if hang is not None:
         return _hung(hang)
     rank, failure = min(
@@ -67,7 +69,7 @@ def read_failure(err, run_dir: Path, step: int | None, hang: Hang | None) -> Fai
             f"error: rank {rank} was killed by signal {-failure.exitcode} ({name}) {at(step)}, by the system (out of "
             "memory?) or by someone; every other rank was stopped. It left no traceback."
         )
-        return Failure(rank, "killed", step, f"rank {rank} killed ({name}) {at(step)}", (line,))
+        return Failure(rank, "killed", step, f"rank {rank} killed ({name}) {at(step)}", (line,), pid=failure.pid)
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
     message = data.get("message", {}) if isinstance(data.get("message"), dict) else {}
     callstack = (message.get("extraInfo") or {}).get("py_callstack", "")
@@ -75,9 +77,20 @@ def read_failure(err, run_dir: Path, step: int | None, hang: Hang | None) -> Fai
     if callstack:
         last = f"error: rank {rank} failed ({reason}); every other rank was stopped. Its traceback is above."
         short = f"rank {rank} failed ({_first_line(reason)}) {at(step)}"
-        return Failure(rank, "failed", step, short, (*callstack.rstrip().splitlines(), last))
+        return Failure(rank, "failed", step, short, (*callstack.rstrip().splitlines(), last), pid=failure.pid)
     line = f"error: rank {rank} exited with code {failure.exitcode} without a message; every other rank was stopped."
-    return Failure(rank, "exited", step, f"rank {rank} exited with code {failure.exitcode} {at(step)}", (line,))
+    short = f"rank {rank} exited with code {failure.exitcode} {at(step)}"
+    return Failure(rank, "exited", step, short, (line,), pid=failure.pid)
+
+
+def doing(phase: str, step: int) -> str:
+    """What a rank was doing, in words, from its heartbeat's phase and step."""
+    return {
+        "load": "loading its checkpoint",
+        "step": f"step {step}",
+        "publish": f"publishing the checkpoint written in the background, after step {step}",
+        "save": f"the save after step {step}",
+    }.get(phase, f"{phase} at step {step}")
 
 
 def _hung(hang: Hang) -> Failure:
@@ -85,11 +98,11 @@ def _hung(hang: Hang) -> Failure:
     who = f"rank {hang.rank}" if hang.alone else f"every rank (rank {hang.rank} first)"
     stacks = f"every rank's stack is in {hang.stacks}" if hang.stacks else "the stacks went to stderr"
     line = (
-        f"error: {who} made no progress for {hang.seconds:.0f} s in {hang.phase} of step {hang.step}{state} "
+        f"error: {who} made no progress for {hang.seconds:.0f} s in {doing(hang.phase, hang.step)}{state} "
         f"(--step-timeout); {stacks}. Every rank was stopped."
     )
-    short = f"rank {hang.rank} hung in {hang.phase} of step {hang.step}" + (f" ({hang.state})" if hang.state else "")
-    return Failure(hang.rank, "hung", hang.step, short, (line,))
+    short = f"rank {hang.rank} hung in {doing(hang.phase, hang.step)}" + (f" ({hang.state})" if hang.state else "")
+    return Failure(hang.rank, "hung", hang.step, short, (line,), pid=hang.pid)
 
 
 def _first_line(text: str) -> str:

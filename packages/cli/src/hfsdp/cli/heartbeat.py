@@ -19,6 +19,7 @@ works too). Heartbeats use `time.monotonic()`, one clock for every process of a 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -26,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from hfsdp.cli.failures import doing
 from hfsdp.cli.report import say
 from hfsdp.cli.run_dir import attempt, heartbeat_file, write_json
 
@@ -85,6 +87,12 @@ class Heartbeat:
         faulthandler.unregister(signal.SIGUSR1)
         if self._stacks is not None:
             self._stacks.close()
+            path = Path(self._stacks.name)
+            if path.stat().st_size == 0:  # nothing was dumped: leave no empty file (and no empty directory) behind
+                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.parent.rmdir()
+                    path.parent.parent.rmdir()
 
     def _watch(self) -> None:
         interval = min(1.0, self.timeout / 4)
@@ -98,7 +106,7 @@ class Heartbeat:
             where = f"in {self.stacks_path}" if self.stacks_path else "above"
             say(
                 f"error: rank {self.rank} made no progress for {idle:.0f} s (--step-timeout {self.timeout:g}) in "
-                f"{self.phase} of step {self.step}; its threads' stacks are {where}. Stopping it, so that torchrun "
+                f"{doing(self.phase, self.step)}; its threads' stacks are {where}. Stopping it, so that torchrun "
                 "stops the group and, with restarts left, restarts it.",
                 err=True,
             )

@@ -19,6 +19,7 @@ is one launch without restarts (`launch.attempt`), and this loop decides.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from hfsdp.cli import stopping, timeline
 from hfsdp.cli.autoresume import RUN_ID_ENV, own_checkpoint, resume_own
 from hfsdp.cli.continuation import on_world
 from hfsdp.cli.failures import Failure
+from hfsdp.cli.heartbeat import stacks_dir
 from hfsdp.cli.launch import attempt
 from hfsdp.cli.report import say
 from hfsdp.cli.run_dir import error_file, heartbeat_file, progress_file, read_json, write_json
@@ -72,6 +74,7 @@ def launch(cfg: TrainConfig, resumed_from: str | None = None) -> int:
             timeline.note(cfg.timeline, "attempt started", attempt=number, ranks=current.nproc)
             outcome = attempt(current, run_dir, number, env)
             stopping.install()
+            _tidy_stacks(cfg, run_dir, number)
             step = outcome.step
             if outcome.signum is not None:
                 return _stopped(cfg, outcome.signum, step, origin)
@@ -94,8 +97,9 @@ def launch(cfg: TrainConfig, resumed_from: str | None = None) -> int:
             for line in failure.lines[:-1] if failure.kind == "failed" else ():
                 say(line, err=True)  # a bug's traceback, once
             where = f"resuming from {origin}" if origin else "starting over from step 0 (no checkpoint yet)"
-            say(f"restart {len(failures)} of {cfg.max_restarts}: {failure.short}; {where} on {current.nproc} ranks "
-                f"({current.layout.layout_name})", err=True)  # fmt: skip
+            pid = f" (pid {failure.pid})" if failure.pid else ""
+            say(f"restart {len(failures)} of {cfg.max_restarts}: {failure.short}{pid}; {where} on {current.nproc} "
+                f"ranks ({current.layout.layout_name})", err=True)  # fmt: skip
         raise AssertionError("unreachable: the last attempt returns")
     except stopping.Interrupted as stop:
         return _stopped(cfg, stop.signum, step, origin)
@@ -150,6 +154,19 @@ def _clear(run_dir: Path) -> None:
         stale.unlink(missing_ok=True)
     shown = read_json(progress_file(run_dir)).get("shown", 0)
     write_json(progress_file(run_dir), {"shown": shown})
+
+
+def _tidy_stacks(cfg: TrainConfig, run_dir: Path, number: int) -> None:
+    """After an attempt: remove the stack files nothing was dumped into (ranks open them at start)."""
+    directory = stacks_dir(cfg.save, str(run_dir), number) if cfg.step_timeout else None
+    if directory is None or not directory.is_dir():
+        return
+    for path in directory.glob("rank-*.txt"):
+        if path.stat().st_size == 0:
+            path.unlink(missing_ok=True)
+    for empty in (directory, directory.parent):
+        with contextlib.suppress(OSError):
+            empty.rmdir()
 
 
 def _summary(failures: list[Failure]) -> None:

@@ -110,7 +110,7 @@ def _min_nproc_needs_restarts(v: dict[str, Any], said) -> str | None:
 
 def _async_save_needs_save(v: dict[str, Any], said) -> str | None:
     if v["async_save"] and v["save"] is None:
-        return f"{said('async_save')} needs --save DIR to say where checkpoints go; add --save or drop it."
+        return "--async-save needs --save DIR to say where checkpoints go; add --save or drop --async-save."
     return None
 
 

@@ -30,8 +30,8 @@ class Saver:
         if cfg.save and cfg.async_save:
             from hfsdp.ckpt import AsyncSaver
 
-            delay = cfg.debug_save_delay if attempt() == 0 else None
-            self._async = AsyncSaver(on_written=_delay_once(delay) if delay else None)
+            slow = cfg.debug_slow_save if attempt() == 0 else None
+            self._async = AsyncSaver(on_written=_stall_at(slow) if slow else None)
 
     def due(self, step: int) -> bool:
         """Whether the loop saves after step `step` (counted from 1): every --save-every steps, and the last one."""
@@ -85,13 +85,16 @@ class Saver:
             prune(self.cfg.save, self.cfg.save_keep)
 
 
-def _delay_once(seconds: float):
-    """Fault injection (--debug-save-delay): the first background write waits `seconds` after writing its file."""
-    used = []
+#: How long --debug-slow-save stalls a background write: until the test that asked for it kills the rank.
+STALL_S = 600.0
 
-    def wait(step: int) -> None:
-        if not used:
-            used.append(step)
-            time.sleep(seconds)
 
-    return wait
+def _stall_at(step: int):
+    """Fault injection (--debug-slow-save): the background write of step `step` stalls after writing its file, as
+    on a file system that stopped answering; the test kills a rank meanwhile."""
+
+    def stall(saved: int) -> None:
+        if saved == step:
+            time.sleep(STALL_S)
+
+    return stall

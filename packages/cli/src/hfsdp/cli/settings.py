@@ -438,12 +438,12 @@ SETTINGS: tuple[Setting, ...] = (
         hidden=True,
     ),
     Setting(
-        "debug_save_delay",
-        "--debug-save-delay",
+        "debug_slow_save",
+        "--debug-slow-save",
         None,
-        float,
-        "Fault injection: the first attempt's first asynchronous save waits this long after writing its files.",
-        non_negative_number,
+        int,
+        "Fault injection: in the first attempt, the background write of this step's save stalls after writing.",
+        positive_int,
         hidden=True,
     ),
     Setting(

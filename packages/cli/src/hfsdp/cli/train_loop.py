@@ -36,12 +36,25 @@ def run_training(cfg: TrainConfig) -> dict:
     """Train as one rank of an already-launched job (torch.distributed.run set RANK, WORLD_SIZE, ...)."""
     device = _init_distributed(cfg)
     try:
-        return _train(cfg, device, dist.get_rank())
-    finally:
-        # torch's gloo keeps finished collectives in reference cycles; freed at interpreter exit they can abort
-        # the process, so they are collected while the process group still lives.
-        gc.collect()
-        dist.destroy_process_group()
+        result = _train(cfg, device, dist.get_rank())
+    except Exception:
+        # Leaving on an error (often a peer's death): the elastic agent waits for every rank to exit before it can
+        # restart them, and collecting a process's millions of torch and transformers objects took seconds per rank
+        # (12 s on a loaded 2-core box). Frozen, they are left to the exit; no collective is freed meanwhile.
+        gc.freeze()
+        raise
+    except BaseException:  # a stop by a signal: every rank leaves together, at the same step
+        _close()
+        raise
+    _close()
+    return result
+
+
+def _close() -> None:
+    # torch's gloo keeps finished collectives in reference cycles; freed at interpreter exit they can abort the
+    # process, so they are collected while the process group still lives.
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _init_distributed(cfg: TrainConfig) -> torch.device:

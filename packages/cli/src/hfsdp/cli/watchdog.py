@@ -15,7 +15,9 @@ the timeout, the run is hung. It then
    launcher restarts them if restarts are left (`restarts.py`).
 
 A rank that has not beaten yet (importing, joining the rendezvous, building its model) is not
-watched: the timeout bounds steps, saves and loads, not start-up.
+watched: the timeout bounds steps, saves and loads, not start-up. Once a rank's process is gone
+the watchdog stands down: that is a failure the elastic agent is already handling, and the
+other ranks, unwinding from their lost peer, are not hung.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hfsdp.cli.run_dir import heartbeat_file, read_json
 
 #: How long the dumps may take before the ranks are killed anyway.
 DUMP_WAIT_S = 5.0
-STATES = {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "D": "in uninterruptible I/O"}
+STATES = {"T": "stopped, as by SIGSTOP", "t": "stopped by a debugger", "D": "in uninterruptible I/O"}
 
 
 class HangWatch:
@@ -58,9 +60,12 @@ class HangWatch:
             beats = {r: read_json(heartbeat_file(self.run_dir, r)) for r in range(self.world)}
             live = {r: b for r, b in beats.items() if b.get("phase") not in (None, "done") and "since" in b}
             now = time.monotonic()
-            if any(now - b["since"] > self.timeout for b in live.values()):
-                self.hang = self._stop_group(live, now)
-                return
+            if not any(now - b["since"] > self.timeout for b in live.values()):
+                continue
+            if any(_state(b["pid"]) in (None, "Z", "X") for b in beats.values() if "pid" in b):
+                return  # a rank is gone: a failure, which the elastic agent is handling (the others unwind), not a hang
+            self.hang = self._stop_group(live, now)
+            return
 
     def _stop_group(self, beats: dict[int, dict], now: float) -> Hang:
         states = {r: _state(b["pid"]) for r, b in beats.items()}
@@ -82,6 +87,7 @@ class HangWatch:
         beat = beats[rank]
         return Hang(
             rank=rank,
+            pid=int(beat["pid"]),
             step=int(beat["step"]),
             phase=str(beat["phase"]),
             seconds=now - beat["since"],

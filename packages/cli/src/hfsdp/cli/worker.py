@@ -33,10 +33,16 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def entrypoint(cfg: TrainConfig) -> None:
-    """Run one rank under the launcher's elastic agent; exits with the rank's code."""
+    """Run one rank under the launcher's elastic agent; exits with the rank's code.
+
+    A rank that failed leaves at once, without the interpreter's teardown: the agent restarts (or ends) the run only
+    once every rank is gone, and tearing down torch and transformers took seconds per rank on a loaded machine.
+    """
     code = run_rank(cfg)
     if code:
-        sys.exit(code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_rank(cfg: TrainConfig, resumed_from: str | None = None) -> int:
