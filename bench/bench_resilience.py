@@ -219,7 +219,12 @@ def measure_recovery(name: str, args, device: torch.device, work: Path, log) -> 
         before = {r["step"]: r["loss"] for r in _records(metrics)}
         killed_at = time.time()
         os.kill(_ranks(proc.pid)[0], signal.SIGKILL)
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = "killed: --recover-timeout"
     events = [e for e in _records(line) if e["time"] >= killed_at]
 
     def first(event: str) -> dict | None:
@@ -308,23 +313,32 @@ def main(argv=None) -> int:
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
            "save_dir": str(root), "smoke": smoke}  # fmt: skip
     results = {"environment": env, "stall": [], "recovery": []}
+
+    def saved() -> None:  # after every phase: a run cut short by a time limit keeps what it measured
+        results["seconds"] = time.perf_counter() - began
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _init_process_group(device)
     try:
-        for name in args.models:
+        # The first model's stall, then the recovery (which needs no second model), then the larger models.
+        for position, name in enumerate(args.models):
             try:
                 results["stall"].append(measure_stall(name, args, device, root, log))
             except Exception as err:  # one model failing must not lose the others' numbers
                 log(f"{name}: stall failed: {type(err).__name__}: {err}")
                 results["stall"].append({"model": name, "params": 0, "skipped": f"failed: {type(err).__name__}"})
+            saved()
+            if position == 0:
+                results["recovery"].append(
+                    measure_recovery(args.recover_model, args, device, args.out / "recover", log)
+                )
+                shutil.rmtree(args.out / "recover" / "ck", ignore_errors=True)
+                saved()
     finally:
         dist.destroy_process_group()
-    results["recovery"].append(measure_recovery(args.recover_model, args, device, args.out / "recover", log))
-    shutil.rmtree(args.out / "recover" / "ck", ignore_errors=True)
-    results["seconds"] = time.perf_counter() - began
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    log(f"done in {results['seconds']:.0f} s; results in {args.out / 'results.json'}")
+    log(f"done in {time.perf_counter() - began:.0f} s; results in {args.out / 'results.json'}")
     print(table(results))
     return 0
 

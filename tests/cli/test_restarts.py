@@ -91,8 +91,8 @@ def test_a_killed_rank_is_restarted_and_the_run_equals_the_uninterrupted_one(ref
 @pytest.fixture(scope="module")
 def hurt(base):
     """--async-save run: SIGKILL a rank while step 10's background write is in flight (unpublished, `latest` at
-    step 5); then, once the restarted attempt trains again, SIGSTOP a rank under --step-timeout 10."""
-    run = _run(base, "hurt", "--max-restarts", "2", "--async-save", "--debug-slow-save", "10", "--step-timeout", "10")
+    step 5); then, once the restarted attempt trains again, SIGSTOP a rank under --step-timeout 20."""
+    run = _run(base, "hurt", "--max-restarts", "2", "--async-save", "--debug-slow-save", "10", "--step-timeout", "20")
     ck = run.directory / "ck"
 
     def in_flight() -> bool:
@@ -122,7 +122,7 @@ def test_a_kill_during_an_async_save_resumes_from_the_checkpoint_before_it(hurt)
 
 
 def test_a_stopped_rank_is_detected_its_stack_dumped_and_the_run_restarted(hurt):
-    """A SIGSTOPped rank under --step-timeout 10: the watchdog names it (stopped) and what it was doing, every rank's
+    """A SIGSTOPped rank under --step-timeout 20: the watchdog names it (stopped) and what it was doing, every rank's
     Python stack is dumped to --save/hangs/attempt-1/rank-R.txt, the ranks are stopped and restarted; the run
     completes and its last line names both restarts."""
     run, _, _, stopped, report = hurt

@@ -33,7 +33,15 @@ from hfsdp.cli.failures import Failure
 from hfsdp.cli.heartbeat import stacks_dir
 from hfsdp.cli.launch import attempt
 from hfsdp.cli.report import say
-from hfsdp.cli.run_dir import error_file, heartbeat_file, progress_file, read_json, write_json
+from hfsdp.cli.run_dir import (
+    ATTEMPT_ENV,
+    RUN_DIR_ENV,
+    error_file,
+    heartbeat_file,
+    progress_file,
+    read_json,
+    write_json,
+)
 from hfsdp.cli.train_config import TrainConfig
 from hfsdp.core.config import ConfigError, Problem
 
@@ -105,7 +113,8 @@ def launch(cfg: TrainConfig, resumed_from: str | None = None) -> int:
         return _stopped(cfg, stop.signum, step, origin)
     finally:
         stopping.ignore()
-        os.environ.pop(RUN_ID_ENV, None)
+        for name in (RUN_ID_ENV, RUN_DIR_ENV, ATTEMPT_ENV):
+            os.environ.pop(name, None)
         if not (run_dir / "hangs").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
 
