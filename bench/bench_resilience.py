@@ -166,6 +166,7 @@ def measure_stall(name: str, args, device: torch.device, root: Path, log) -> dic
         log(f"{name}: async save {k}: stall {record['stall_s']:.3f} s (snapshot {snapshot:.3f}, excess {excess:.3f} "
             f"over {steps} steps, publish {published:.3f}); background write {written_after:.2f} s")  # fmt: skip
         shutil.rmtree(target, ignore_errors=True)
+    saver.close()
     del model, opt, saver
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -70,6 +70,7 @@ class Saver:
         """Wait for the save in flight and publish it (collective; a stop and the end of the run call it)."""
         if self._async is not None:
             self._published(self._async.publish())
+            self._async.close()
 
     @property
     def in_flight(self) -> bool:

@@ -22,8 +22,8 @@ on a background thread:
 At most one save is in flight: the next `save()` waits for it. A process killed during the
 write leaves only the hidden staging directory, so the previous checkpoint stays the
 latest. Host memory: one snapshot per rank, as large as the rank's file (its pieces of the
-weights, the fp32 main weights and the optimizer's state), allocated by the first save and
-reused by the next ones.
+weights, the fp32 main weights and the optimizer's state), one block allocated by the first
+save (page-locked with cudaHostRegister on a GPU) and reused by the next ones.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class AsyncSaver:
         self._pending: _Pending | None = None
         self._stream = None
         self._sources: list[torch.Tensor] = []
+        self._registered: torch.Tensor | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -98,14 +99,12 @@ class AsyncSaver:
         return pending.prepared.publish(pending.result())
 
     def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of `tensors` in this saver's host buffers (allocated on first use, reused while shapes match)."""
+        """Copies of `tensors` in this saver's host buffers (made on first use, reused while the shapes match)."""
         on_gpu = any(t.is_cuda for t in tensors)
         if on_gpu and self._stream is None:
             self._stream = torch.cuda.Stream()
-        if len(self._buffers) != len(tensors) or any(
-            b.dtype != t.dtype or b.numel() != t.numel() for b, t in zip(self._buffers, tensors, strict=False)
-        ):
-            self._buffers = [torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+        if [(t.dtype, t.numel()) for t in tensors] != [(b.dtype, b.numel()) for b in self._buffers]:
+            self._allocate(tensors, on_gpu)
         if on_gpu:
             self._sources = tensors  # a fresh cast must live until the side stream has copied it
             self._stream.wait_stream(torch.cuda.current_stream())
@@ -116,6 +115,31 @@ class AsyncSaver:
             for buffer, tensor in zip(self._buffers, tensors, strict=True):
                 buffer.copy_(tensor.reshape(-1))
         return list(self._buffers)
+
+    def _allocate(self, tensors: list[torch.Tensor], on_gpu: bool) -> None:
+        """One host block for every tensor (views at 64-byte aligned offsets), page-locked when the tensors are on
+        a GPU. Registered with cudaHostRegister rather than taken from torch's pinned-memory allocator, which
+        rounds every block up to a power of two (a 45 GB snapshot would hold 64 GB)."""
+        self.close()
+        offsets, total = [], 0
+        for t in tensors:
+            total = -(-total // 64) * 64
+            offsets.append(total)
+            total += t.numel() * t.element_size()
+        block = torch.empty(total, dtype=torch.uint8)
+        if on_gpu and total:
+            torch.cuda.cudart().cudaHostRegister(block.data_ptr(), total, 0)
+            self._registered = block
+        self._buffers = [
+            block[o : o + t.numel() * t.element_size()].view(t.dtype) for o, t in zip(offsets, tensors, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Give the host memory back (after the last publish); the next save allocates it again."""
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr())
+            self._registered = None
+        self._buffers = []
 
 
 class _Pending:
