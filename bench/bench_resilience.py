@@ -14,7 +14,7 @@ staging, the copy to page-locked host memory, issued on a side stream) and train
 once the background write is done, as `hfsdp train --async-save` does. Its stall is the time of the `save` call,
 plus what the following steps took beyond the baseline while the copy and the write were in flight, plus the
 publish. The first asynchronous save also allocates the page-locked buffers; the second reuses them (the steady
-state). Each checkpoint is deleted after it is measured (a 3B one is 42 GB), and a model whose checkpoint would not
+state). Each checkpoint is deleted after it is measured (14 bytes per parameter: about 42 GB for the 3B), and a model whose checkpoint would not
 fit the free disk is skipped and says so. Goal (issue 21): the steady asynchronous stall at most 10% of the
 synchronous save.
 
