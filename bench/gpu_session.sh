@@ -15,6 +15,8 @@
 #              against measurement; a short table last, logs and JSON in OUT_DIR/plan
 #   e2e        hfsdp train on the GPU: a Hugging Face model (bf16, --offload optim, schedule, eval) saved at step 3,
 #              resumed to step 6 and compared with the uninterrupted run; then exported and loaded by transformers
+#   resilience bench_resilience.py: the training stall of a save, sync vs --async-save (Llama 0.9B and 3B), and
+#              the time to recover from a killed rank (detect, restart, load); logs and results.json in OUT/resilience
 # EXTRA: what gpt1 and llama1 add to the timing (default: --profile --memory-trace).
 # Usage (repository root on the GPU machine): bash bench/gpu_session.sh OUT_DIR [PHASES]
 set -u
@@ -61,5 +63,7 @@ for phase in $phases; do
           done ;;
     plan) timeout 560 python3 bench/plan_check.py "$out/plan" | tee "$out/plan.log" ;;
     e2e) bash bench/gpu_e2e.sh "$out" ;;
+    resilience) timeout 570 python3 bench/bench_resilience.py "$out/resilience" >"$out/resilience.log" 2>&1
+          tail -14 "$out/resilience.log" ;;
   esac
 done

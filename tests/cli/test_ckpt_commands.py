@@ -138,3 +138,24 @@ def test_an_empty_destination_directory_is_accepted_and_a_taken_one_refused_befo
         assert first == "2 False", done.stdout + done.stderr
         assert "already exists" in message and "an empty directory is fine" in message
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
+
+
+def test_reshard_keeps_the_runs_global_batch_or_refuses_with_the_sizes_that_work(tmp_path):
+    """A checkpoint of a run with global batch 16 (micro-batch 2) on 4 ranks: resharded to 2 ranks it keeps batch
+    16; to 3 ranks, where 16 does not split, it is refused (exit 1, nothing written) naming the numbers of ranks
+    and micro-batch sizes that work; --global-batch-size 12 changes the run's batch and the reshard goes through."""
+    src = tmp_path / "src"
+    synthetic_checkpoint(src, {"world_size": 4, "global_batch_size": 16, "micro_batch_size": 2})
+    kept = runner.invoke(app, ["reshard", str(src), str(tmp_path / "two"), "--world-size", "2"])
+    assert kept.exit_code == 0, kept.output
+    assert read_index(tmp_path / "two").layout["global_batch_size"] == 16
+    refused = runner.invoke(app, ["reshard", str(src), str(tmp_path / "three"), "--world-size", "3"])
+    assert refused.exit_code == 1
+    assert "the checkpoint's global batch 16 does not split over 3 ranks with --micro-batch-size 2" in refused.output
+    assert "Numbers of ranks that split it with --micro-batch-size 2: 1, 2, 4, 8" in refused.output
+    assert "micro-batch sizes that split it over 3 ranks: none" in refused.output
+    assert "Traceback" not in refused.output and not (tmp_path / "three").exists()
+    told = runner.invoke(app, ["reshard", str(src), str(tmp_path / "twelve"), "--world-size", "3",
+                               "--global-batch-size", "12"])  # fmt: skip
+    assert told.exit_code == 0, told.output
+    assert read_index(tmp_path / "twelve").layout["global_batch_size"] == 12

@@ -236,10 +236,10 @@ def test_under_an_external_torchrun_it_joins_instead_of_spawning(tmp_path):
 # Signals ------------------------------------------------------------------------------------------
 
 
-def _interrupt(tmp_path: Path, send) -> tuple[subprocess.Popen, str, str, list[int]]:
+def _interrupt(tmp_path: Path, send, *extra: str) -> tuple[subprocess.Popen, str, str, list[int]]:
     """Start a long 2-rank run saving every step, wait until it trains, `send(pid)` a signal, return the outcome."""
     metrics = tmp_path / "m.jsonl"
-    args = ["--nproc", "2", "--steps", "100000", "--save", str(tmp_path / "ck"), "--save-every", "1"]
+    args = ["--nproc", "2", "--steps", "100000", "--save", str(tmp_path / "ck"), "--save-every", "1", *extra]
     proc = subprocess.Popen(
         [HFSDP, "train", *args, "--save-keep", "2", "--metrics", str(metrics), *_tiny_hf_model(tmp_path)],
         stdout=subprocess.PIPE,
@@ -309,6 +309,16 @@ def test_ctrl_c_while_the_ranks_still_import_is_one_line_and_exit_130(tmp_path):
     assert not _wait_gone(ranks)
 
 
+def test_sigterm_with_restarts_and_async_saves_still_stops_with_one_line(tmp_path):
+    """With --max-restarts and --async-save a SIGTERM is a stop, not a failure to restart: exit 143, the one line,
+    the save in flight finished and published (the latest checkpoint verifies), every rank gone."""
+    proc, out, err, ranks = _interrupt(
+        tmp_path, lambda pid: os.kill(pid, signal.SIGTERM), "--max-restarts", "2", "--async-save"
+    )
+    _assert_stopped_cleanly(tmp_path, proc, out, err, ranks, 143, "SIGTERM")
+    assert not list((tmp_path / "ck").glob(".tmp-*"))
+
+
 def test_a_killed_rank_is_reported_as_killed(tmp_path):
     """A rank killed with SIGKILL is reported as such, without pointing at a traceback that does not exist."""
     metrics = tmp_path / "m.jsonl"
@@ -327,7 +337,8 @@ def test_a_killed_rank_is_reported_as_killed(tmp_path):
     assert proc.returncode == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1 and re.fullmatch(
-        r"error: rank [01] was killed by signal 9 \(SIGKILL\), by the system \(out of memory\?\) or by someone; "
+        r"error: rank [01] was killed by signal 9 \(SIGKILL\) at step \d+, by the system \(out of memory\?\) or by "
+        r"someone; "
         r"every other rank was stopped\. It left no traceback\.",
         lines[0],
     ), err

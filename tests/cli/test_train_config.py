@@ -261,7 +261,7 @@ def test_schedule_recompute_and_eval_keys_in_a_config_file(tmp_path):
 def test_a_resume_continues_the_checkpoints_schedule_unless_told_otherwise():
     """A resumed run follows the learning-rate schedule its checkpoint recorded (as Megatron does: a longer --steps
     does not stretch the decay); a schedule setting the user gives wins, and the resume says so."""
-    from hfsdp.cli.train_loop import schedule_settings
+    from hfsdp.cli.resume import schedule_settings
 
     saved = {"lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 2, "decay_iters": 10, "style": "cosine"}
     fresh = _build({"steps": 30})

@@ -1,4 +1,4 @@
-"""Token streams: the synthetic one is deterministic per step, and Megatron indexed datasets are read exactly."""
+"""Token streams: addressed by sample position, deterministic per sample; Megatron indexed datasets read exactly."""
 
 from __future__ import annotations
 
@@ -28,6 +28,24 @@ def test_synthetic_batches_depend_only_on_the_step():
     a, b = data.global_batch(3, 8), data.global_batch(3, 8)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(data.global_batch(4, 8)[0], a[0])
+
+
+def test_samples_are_addressed_by_position_whatever_the_batch_they_are_drawn_in(tmp_path):
+    """Sample i is the same tokens whether drawn in a batch of 16, in batches of 5 and 11, or alone: so a run that
+    changes its global batch at sample 37 continues at sample 37 (both streams; the indexed one wraps around)."""
+    _write_indexed(tmp_path / "corpus", [list(range(0, 90)), list(range(200, 260))])
+    streams = {
+        "synthetic": SyntheticTokens(vocab_size=64, seq_length=8),
+        "indexed": IndexedTokens(str(tmp_path / "corpus"), 8),
+    }
+    for name, data in streams.items():
+        whole = data.samples(30, 16)
+        parts = [data.samples(30, 5), data.samples(35, 11)]
+        assert torch.equal(torch.cat([p[0] for p in parts]), whole[0]), name
+        assert torch.equal(torch.cat([p[1] for p in parts]), whole[1]), name
+        assert torch.equal(data.samples(37, 1)[0][0], whole[0][7]), name
+        assert torch.equal(data.global_batch(3, 8)[0], data.samples(24, 8)[0]), name
+        assert not torch.equal(data.samples(31, 1)[0], data.samples(30, 1)[0]), name
 
 
 def test_synthetic_labels_are_the_next_tokens():

@@ -1,10 +1,10 @@
 """hfsdp checkpoints: plain safetensors files plus one JSON index, resharded between any two layouts.
 
 Online (collective): `save_checkpoint`, `load_checkpoint` (any layout: reshard on
-load). Offline (one process): `reshard`, `export` (consolidated or Hugging Face),
-`import_hf` (a Hugging Face directory as a checkpoint), `verify`, `inspect`,
-`write_from_tensors`. Every failure is a `CheckpointError` whose message names
-the file and the fix. The format is described in docs/checkpoints.md.
+load), `AsyncSaver` (a save whose writing overlaps training). Offline (one process):
+`reshard`, `export` (consolidated or Hugging Face), `import_hf` (a Hugging Face
+directory as a checkpoint), `verify`, `inspect`, `write_from_tensors`. Every failure
+is a `CheckpointError` whose message names the file and the fix. The format is described in docs/checkpoints.md.
 
 The subpackages, each one concern; each imports only those listed before it:
 - `format`: the on-disk format, torch-free (index, schema, headers, checksums, store, staging, verify);
@@ -31,6 +31,7 @@ from hfsdp.ckpt.format.verify import inspect, verify
 #: Names that need torch, and the module each lives in (no module is named like the function it holds, so a
 #: submodule import can never shadow the function on the package).
 _LAZY = {
+    "AsyncSaver": "hfsdp.ckpt.live.async_save",
     "export": "hfsdp.ckpt.offline.export",
     "import_hf": "hfsdp.ckpt.hf.import_hf",
     "load_checkpoint": "hfsdp.ckpt.live.load",
@@ -53,6 +54,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncSaver",
     "CheckpointError",
     "CheckpointIndex",
     "GroupSpec",

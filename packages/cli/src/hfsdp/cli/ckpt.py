@@ -162,32 +162,44 @@ def reshard(
         str | None,
         typer.Option("--expert-strategy", help=f"Expert sharding strategy: {STRATEGIES}.", show_default=SOURCES),
     ] = None,
+    global_batch_size: Annotated[
+        int | None,
+        typer.Option(
+            "--global-batch-size",
+            help="The run's global batch from now on (a resume keeps the checkpoint's); it must split over the "
+            "target's ranks.",
+            show_default=SOURCES,
+        ),
+    ] = None,
+    micro_batch_size: Annotated[
+        int | None, typer.Option("--micro-batch-size", help="Sequences per rank per microbatch.", show_default=SOURCES)
+    ] = None,
     io_threads: Annotated[int, typer.Option("--io-threads", help="Files written in parallel.")] = 4,
     memory_budget: Annotated[int, typer.Option("--memory-budget", help="Bytes in flight, in MiB.")] = 256,
 ) -> None:
-    """Rewrite a checkpoint for another layout; options not given keep the source's values."""
+    """Rewrite a checkpoint for another layout; options not given keep the source's values.
+
+    The run's global batch is kept (a resume of the result trains on it); where it does not split over the target's
+    ranks the reshard is refused with the sizes that work, unless --global-batch-size or --micro-batch-size says.
+    """
     from hfsdp.ckpt import read_index, resolve
     from hfsdp.core.config import ConfigError, LayoutConfig
 
     _destination_free("reshard", src, dst)
     index = _guarded("reshard", lambda: read_index(resolve(src)))
     given = {"instances": instances, "outer": outer, "inner": inner, "ep": ep, "expert_strategy": expert_strategy}
+    given |= {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size}
     fields = {**index.layout, "world_size": world_size, **{k: v for k, v in given.items() if v is not None}}
     if fields.get("expert_outer") == "diloco" and instances is not None:
         fields["expert_instances"] = instances  # DiLoCo's experts train apart over the dense instances
     try:
         target = LayoutConfig(**fields)
     except ConfigError as err:
-        batch_only = all(p.field in ("global_batch_size", "micro_batch_size") for p in err.problems)
-        if not batch_only:
-            _report_invalid(err)
-            raise typer.Exit(EXIT_INVALID_LAYOUT) from None
-        # The batch sizes are the training loop's business, not the checkpoint's: drop them, say so.
-        target = LayoutConfig(**{**fields, "global_batch_size": None, "micro_batch_size": None})
-        _say(
-            _console(stderr=True),
-            "note: the source's global/micro batch sizes do not fit the new world size; the target records none.",
-        )
+        batch = [p for p in err.problems if p.field == "global_batch_size"]
+        if batch and len(batch) == len(err.problems) and fields.get("micro_batch_size"):
+            _refuse_batch(fields, world_size, global_batch_size is not None)
+        _report_invalid(err)
+        raise typer.Exit(EXIT_INVALID_LAYOUT) from None
     from hfsdp.ckpt import reshard as do_reshard
 
     bar, update = _progress("reshard")
@@ -204,6 +216,21 @@ def reshard(
         f"({target.layout_name}, world {target.world_size}): {result.files} files, {result.bytes_written / 1e9:.3f} GB "
         f"in {result.seconds:.2f} s ({result.gb_per_s:.2f} GB/s).",
     )
+
+
+def _refuse_batch(fields: dict[str, Any], world_size: int, told: bool) -> None:
+    """The run's global batch does not split over the target's ranks: say so, with the sizes that work (exit 1)."""
+    from hfsdp.cli.continuation import split_advice
+
+    batch, micro = fields["global_batch_size"], fields["micro_batch_size"]
+    whose = "--global-batch-size" if told else "the checkpoint's global batch"
+    _say(
+        _console(stderr=True),
+        f"hfsdp ckpt reshard: {whose} {batch} {split_advice(batch, micro, world_size, '--micro-batch-size')} A resume "
+        "of the result keeps this batch; reshard to one of those world sizes, or pass --micro-batch-size, or "
+        "--global-batch-size to change the run's batch from here on.",
+    )
+    raise typer.Exit(EXIT_INVALID_LAYOUT)
 
 
 def _report_invalid(err, command: str = "reshard") -> None:

@@ -1,48 +1,56 @@
-"""Starting `--nproc` local ranks through torch's elastic launcher, and reporting how they ended.
+"""One attempt of a local run: `--nproc` ranks through torch's elastic launcher, and how they ended.
 
-The launcher prints "starting N ranks (layout)" at once, hands the ranks to
-`torch.distributed.launcher.elastic_launch`, and afterwards says in one line what
-happened: nothing (success: rank 0 printed the summary), "interrupted at step N; last
-checkpoint DIR/step-K" (exit 128 + signal), or which rank failed and why (exit 1). torch's
-own logging of the same events is silenced: it repeats tracebacks, or points at ones that do
-not exist. Ranks report their progress and their user-facing errors through a private run
-directory (`run_dir.RUN_DIR_ENV`).
+`attempt` hands the ranks to `torch.distributed.launcher.elastic_launch` (one rendezvous
+per attempt, no restarts of its own: `restarts.py` decides about those, so that it can
+report each failure, resume from the run's own checkpoint and change the number of ranks)
+and returns an `Outcome`: done, stopped by a signal, or failed (`failures.py` picks the rank
+that caused it). With `--step-timeout` the hang watchdog (`watchdog.py`) watches the
+attempt from a thread of this process. torch's own logging of the same events is silenced:
+it repeats tracebacks, or points at ones that do not exist. Ranks report their progress and
+their user-facing errors through the run directory (`run_dir.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from hfsdp.cli import stopping
-from hfsdp.cli.report import say
-from hfsdp.cli.run_dir import RUN_DIR_ENV, error_file, progress_file
+from hfsdp.cli.failures import Failure, read_failure
+from hfsdp.cli.heartbeat import stacks_dir
+from hfsdp.cli.run_dir import ATTEMPT_ENV, RUN_DIR_ENV, progress_file, read_json
 from hfsdp.cli.train_config import TrainConfig
-from hfsdp.cli.worker import PEER_GONE, entrypoint
+from hfsdp.cli.watchdog import HangWatch
+from hfsdp.cli.worker import entrypoint
 
 #: How long ranks get to leave after a signal before the launcher kills what is left.
 GRACE_S = 30
 
 
-def launch(cfg: TrainConfig, resumed_from: str | None = None) -> int:
-    """Run cfg.nproc local ranks; return the command's exit code."""
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended: done (signum and failure None), stopped by `signum`, or `failure`."""
+
+    signum: int | None = None
+    failure: Failure | None = None
+    step: int | None = None  # the last completed step rank 0 recorded
+
+
+def attempt(cfg: TrainConfig, run_dir: Path, number: int, env: dict[str, str]) -> Outcome:
+    """Run one attempt of cfg.nproc local ranks (`env` added to their environment)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _silence_torch_logging()
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
-    run_dir = Path(tempfile.mkdtemp(prefix="hfsdp-run-"))
-    os.environ[RUN_DIR_ENV] = str(run_dir)
+    os.environ.update({RUN_DIR_ENV: str(run_dir), ATTEMPT_ENV: str(number), **env})
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -54,77 +62,29 @@ def launch(cfg: TrainConfig, resumed_from: str | None = None) -> int:
         start_method="spawn",
         **_grace(),
     )
-    say(f"starting {cfg.nproc} rank{'s' if cfg.nproc != 1 else ''} ({cfg.layout.layout_name})")
-    signum = None
+    watch = None
+    if cfg.step_timeout:
+        watch = HangWatch(run_dir, cfg.nproc, cfg.step_timeout, stacks_dir(cfg.save, str(run_dir), number))
+    signum = failure = None
     try:
-        elastic_launch(launch_config, entrypoint)(cfg)
+        with watch or contextlib.nullcontext():
+            try:
+                elastic_launch(launch_config, entrypoint)(cfg)
+            except ChildFailedError as err:
+                failure = err
     except SignalException as err:  # the elastic agent's handler: it has stopped the ranks
         signum = int(err.sigval)
     except stopping.Interrupted as err:  # ours, before the agent installed its own
         signum = err.signum
     except KeyboardInterrupt:
         signum = signal.SIGINT
-    except ChildFailedError as err:
-        for line in _failure_report(err, run_dir):
-            say(line, err=True)
-        return 1
     finally:
-        stopping.ignore()
         _reap_ranks()
-        os.environ.pop(RUN_DIR_ENV, None)
-        step = _last_step(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
-    if signum is None:
-        return 0
-    say(stopping.stopped_line(signum, step, cfg.save, resumed_from), err=True)
-    return 128 + signum
-
-
-def _last_step(run_dir: Path) -> int | None:
-    try:
-        return int(json.loads(progress_file(run_dir).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _failure_report(err, run_dir: Path) -> list[str]:
-    """What to print when ranks failed: the user-facing message, or one rank's traceback and a line naming it."""
-    failures = err.failures
-    for rank in sorted(failures):
-        path = error_file(run_dir, rank)
-        if path.is_file():
-            return [f"error: {path.read_text().strip()}"]
-    # The root cause: not a lost-peer error, a death by signal (SIGKILL, SIGSEGV) first, then the earliest.
-    rank, failure = min(
-        failures.items(), key=lambda item: (_collateral(item[1]), item[1].exitcode >= 0, item[1].timestamp, item[0])
-    )
-    if failure.exitcode < 0:
-        name = _signal_name(-failure.exitcode)
-        return [
-            f"error: rank {rank} was killed by signal {-failure.exitcode} ({name}), by the system (out of memory?) "
-            "or by someone; every other rank was stopped. It left no traceback."
-        ]
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    message = data.get("message", {}) if isinstance(data.get("message"), dict) else {}
-    callstack = (message.get("extraInfo") or {}).get("py_callstack", "")
-    reason = message.get("message") or f"exit code {failure.exitcode}"
-    if callstack:
-        last = f"error: rank {rank} failed ({reason}); every other rank was stopped. Its traceback is above."
-        return [*callstack.rstrip().splitlines(), last]
-    return [f"error: rank {rank} exited with code {failure.exitcode} without a message; every other rank was stopped."]
-
-
-def _collateral(failure) -> bool:
-    """A failure caused by another rank's death (a collective lost its peer): not the one to report."""
-    text = json.dumps(failure.error_file_data) if failure.error_file_data else str(failure.message)
-    return any(needle in text for needle in PEER_GONE)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return "unknown signal"
+    done = read_json(progress_file(run_dir)).get("step")
+    if failure is not None and signum is None:
+        in_progress = done + 1 if isinstance(done, int) else None
+        return Outcome(failure=read_failure(failure, run_dir, in_progress, watch.hang if watch else None), step=done)
+    return Outcome(signum=signum, step=done)
 
 
 def _reap_ranks() -> None:

@@ -35,6 +35,7 @@ class Plan:
     start_step: int = 0
     checkpoint: Path | None = None
     checkpoint_layout: str | None = None
+    saved_layout: dict | None = None  # the checkpoint's layout record (its global batch, inner size, ...)
 
     def nothing_to_do(self, cfg: TrainConfig) -> str | None:
         """The message when the checkpoint is already at (or past) --steps, else None."""
@@ -165,7 +166,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
     try:
         run = model_settings(cfg)
     except ValueError:
-        return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)  # reported above
+        return Plan(step, ckpt_dir, layout.layout_name, dict(index.layout))  # reported above
     if ("model_config" in run) != ("model_config" in saved) and ("layers" in saved or "model_config" in saved):
         then = "a Hugging Face model" if "model_config" in saved else "the megatron-core GPT"
         now = "--model-config's model" if "model_config" in run else "the megatron-core GPT"
@@ -187,7 +188,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
                     f"{shown(run['model_config'][differ[0]])}; resume with the config that saved it.",
                 )
             )
-        return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
+        return Plan(step, ckpt_dir, layout.layout_name, dict(index.layout))
     for name, value in saved.items():
         if name in run and run[name] != value:
             flag = BY_NAME[name].flag
@@ -199,7 +200,7 @@ def _checkpoint(cfg: TrainConfig, verify: bool, problems: list[Problem]) -> Plan
                     f"{flag} {now}; pass {flag} {then} to resume it, or start without --load.",
                 )
             )
-    return Plan(start_step=step, checkpoint=ckpt_dir, checkpoint_layout=layout.layout_name)
+    return Plan(step, ckpt_dir, layout.layout_name, dict(index.layout))
 
 
 #: --optimizer -> the torch class a checkpoint records.
@@ -278,7 +279,7 @@ def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
     obstacle; a published step is, since a save never overwrites one.
     """
     from hfsdp.ckpt import CheckpointError
-    from hfsdp.ckpt.format.store import is_unpublished
+    from hfsdp.ckpt.format.store import latest_step
 
     root = Path(cfg.save)
     if root.exists() and not root.is_dir():
@@ -286,16 +287,14 @@ def _save_root(cfg: TrainConfig, start: int, problems: list[Problem]) -> None:
         return
     if not _writable_dir(root, "--save", problems):
         return
+    try:
+        published = latest_step(root) if root.is_dir() else None
+    except CheckpointError as err:
+        problems.append(Problem("--save", str(err)))
+        return
     for step in save_steps(start, cfg.steps, cfg.save_every):
         taken = root / f"step-{step}"
-        if not taken.exists():
-            continue
-        try:
-            orphan = is_unpublished(root, step)
-        except CheckpointError as err:  # a damaged `latest`
-            problems.append(Problem("--save", f"--save {root}: {err}"))
-            return
-        if not orphan:
+        if taken.exists() and published is not None and step <= published:
             problems.append(
                 Problem(
                     "--save",

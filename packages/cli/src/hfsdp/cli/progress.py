@@ -12,11 +12,15 @@ import sys
 from hfsdp.cli.report import say
 
 
-def reporter(total: int, start: int, every: int):
-    """A context manager with `update(record)`: a rich bar on a terminal, plain lines otherwise."""
+def reporter(total: int, start: int, every: int, shown_up_to: int = 0):
+    """A context manager with `update(record)`: a rich bar on a terminal, plain lines otherwise.
+
+    `shown_up_to` is the last step an earlier attempt of the run printed: a restart trains the steps after its
+    checkpoint again, and their lines are not printed twice.
+    """
     if sys.stdout.isatty():
         return _Bar(total, start)
-    return _Lines(total, every)
+    return _Lines(total, every, shown_up_to)
 
 
 def describe(r: dict) -> str:
@@ -28,8 +32,8 @@ def describe(r: dict) -> str:
 
 
 class _Lines:
-    def __init__(self, total: int, every: int):
-        self.total, self.every = total, every
+    def __init__(self, total: int, every: int, shown_up_to: int):
+        self.total, self.every, self.shown_up_to = total, every, shown_up_to
 
     def __enter__(self):
         return self
@@ -38,6 +42,8 @@ class _Lines:
         return None
 
     def update(self, r: dict) -> None:
+        if r["step"] <= self.shown_up_to:
+            return
         if r["step"] % self.every == 0 or r["step"] == self.total or "eval_loss" in r:
             say(f"step {r['step']}/{self.total}  {describe(r)}")
 

@@ -268,6 +268,30 @@ def _sgd_momentum_needs_sgd(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _restarts_resume_from_save(v: dict[str, Any], said) -> str | None:
+    if v["max_restarts"] and v["save"] is None:
+        return (
+            f"{said('max_restarts')} resumes every restart from the run's own checkpoints, but there is no --save; "
+            "add --save DIR (and --save-every K), or drop --max-restarts."
+        )
+    return None
+
+
+def _min_nproc_needs_restarts(v: dict[str, Any], said) -> str | None:
+    if v["min_nproc"] is not None and not v["max_restarts"]:
+        return (
+            f"{said('min_nproc')} says how small a restart may shrink the run, but there are no restarts; add "
+            "--max-restarts N."
+        )
+    return None
+
+
+def _async_save_needs_save(v: dict[str, Any], said) -> str | None:
+    if v["async_save"] and v["save"] is None:
+        return "--async-save needs --save DIR to say where checkpoints go; add --save or drop --async-save."
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     *(_only_with_diloco(name) for name in DILOCO_SETTINGS),
     Rule(("sync_every", "outer"), _diloco_needs_sync_every),
@@ -291,4 +315,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("model_config", "seq_len"), _hf_config_file),
     _needs_save("save_every"),
     _needs_save("save_keep"),
+    Rule(("max_restarts", "save"), _restarts_resume_from_save),
+    Rule(("min_nproc", "max_restarts"), _min_nproc_needs_restarts),
+    Rule(("async_save", "save"), _async_save_needs_save),
 )

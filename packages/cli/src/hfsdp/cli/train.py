@@ -54,8 +54,8 @@ def train(**flags: Any) -> None:
 
 
 def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
+    from hfsdp.cli.continuation import keep_batch
     from hfsdp.cli.preflight import PreflightError, preflight
-    from hfsdp.cli.train_config import build_train_config
 
     def report(problems, what: str) -> None:
         if rank != 0:
@@ -71,7 +71,7 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
             say(f"  - {problem_text(p.field, p.message)}", err=True)
 
     try:
-        cfg = build_train_config(flags, torchrun_world)
+        cfg, own = _settings(flags, torchrun_world)
     except ConfigFileError as err:
         report([Problem("--config", str(err))], "")
         return EXIT_UNUSABLE
@@ -80,7 +80,7 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
         return EXIT_INVALID
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun_world is not None else cfg.nproc
     try:
-        plan = preflight(cfg, verify_checkpoint=rank == 0, local_ranks=local_ranks)
+        plan = preflight(cfg, verify_checkpoint=rank == 0 and not own, local_ranks=local_ranks)
     except PreflightError as err:
         report(err.problems, "the run cannot start")
         return EXIT_UNUSABLE
@@ -88,6 +88,12 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
         if rank == 0:
             say(done)
         return 0
+    if plan.checkpoint is not None:
+        try:
+            cfg = keep_batch(cfg, plan.saved_layout, str(plan.checkpoint))
+        except ConfigError as err:
+            report(err.problems, "the run cannot resume")
+            return EXIT_INVALID
     refused = _memory(cfg, rank, local_ranks)
     if refused is not None:
         report([refused], "the run cannot start")
@@ -99,8 +105,11 @@ def _train(flags: dict[str, Any], torchrun_world: int | None, rank: int) -> int:
         if rank == 0:
             say(f"rank 0 of {torchrun_world} starting ({cfg.layout.layout_name})")
         return run_rank(cfg, resumed_from)
-    from hfsdp.cli.launch import launch
+    from hfsdp.cli.restarts import check_shrinking, launch
 
+    if problems := check_shrinking(cfg):
+        report(problems, "the run cannot shrink as asked")
+        return EXIT_INVALID
     return launch(cfg, resumed_from)
 
 
@@ -115,6 +124,46 @@ def _memory(cfg, rank: int, local_ranks: int):
     if rank == 0:
         say(start_line(cfg, shape, mem))
     return check(cfg, mem, shape, local_ranks)
+
+
+def _settings(flags: dict[str, Any], torchrun_world: int | None):
+    """The run's settings, and whether they resume the run's own checkpoint (a restart under torchrun).
+
+    Under torchrun a restart is a new process with the same command line: when torchrun restarts (its
+    --max-restarts) and --save's latest checkpoint was saved by this run (same --rdzv-id), the run resumes it on
+    the world torchrun gave, keeping that checkpoint's inner size and global batch. Outside torchrun, hfsdp's
+    launcher does the same for its ranks (`restarts.py`), so the command line is taken as it is.
+    """
+    from hfsdp.cli import autoresume
+    from hfsdp.cli.train_config import gather_train, resolve
+
+    given, problems, nproc = gather_train(flags, torchrun_world)
+    if torchrun_world is None:
+        return resolve(given, problems, nproc=nproc), False
+    theirs = autoresume.torchrun_restarts(given)
+    if theirs is not None:
+        mine = given["max_restarts"]
+        if mine.source in ("flag", "file") and mine.value != theirs.value:
+            problems.append(
+                Problem(
+                    "--max-restarts",
+                    f"--max-restarts {mine.value} disagrees with torchrun's --max-restarts {theirs.value}: under "
+                    "torchrun the restarts are torchrun's; pass --max-restarts to torchrun and drop it here.",
+                )
+            )
+        given = {**given, "max_restarts": theirs}
+    if given["min_nproc"].value is not None:
+        problems.append(
+            Problem(
+                "--min-nproc",
+                "--min-nproc shrinks a run on one machine; under torchrun give torchrun --nnodes MIN:MAX instead, and "
+                "a restart on fewer nodes keeps the inner size and the global batch.",
+            )
+        )
+    own = autoresume.own_checkpoint(given["save"].value, autoresume.run_id()) if theirs is not None else None
+    if own is None or problems:
+        return resolve(given, problems, nproc=nproc), False
+    return autoresume.resume_own(given, torchrun_world, *own), True
 
 
 def _under_torchrun() -> bool:

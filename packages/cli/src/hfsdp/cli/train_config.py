@@ -252,10 +252,21 @@ def build_train_config(flags: Mapping[str, Any], torchrun_world: int | None = No
     a file. A file without a world size needs --nproc (or torchrun), as validate-config needs
     --world-size, so the two commands accept the same files.
     """
+    given, problems, nproc = gather_train(flags, torchrun_world)
+    return resolve(given, problems, nproc=nproc)
+
+
+def gather_train(
+    flags: Mapping[str, Any], torchrun_world: int | None = None
+) -> tuple[dict[str, Given], list[Problem], int | None]:
+    """`build_train_config` before its rules: every setting's Given, the file's problems, the local rank count.
+
+    A restart that resumes its own checkpoint changes some of them (the instances, the global batch) first.
+    """
     file = read_config_file(flags["config"]) if flags.get("config") else None
     problems = list(file.problems) if file else []
     world, nproc = _world(flags, file, torchrun_world, problems)
-    return resolve(gather(flags, file, world), problems, nproc=nproc)
+    return gather(flags, file, world), problems, nproc
 
 
 def _world(

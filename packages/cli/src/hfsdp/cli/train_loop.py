@@ -1,12 +1,14 @@
 """The training loop every rank runs: readable in one sitting.
 
-setup (process group, megatron-core groups, model, sharding, optimizer, data, resume)
--> for each step: microbatches forward/backward, clip, step, log, maybe save, maybe stop
--> summary. Rank 0 reports progress and writes the metrics file (and the TensorBoard logs).
+setup (process group, megatron-core groups, model, sharding, optimizer, data, resume: `resume.py`)
+-> for each step: the next global batch from the data position (consumed samples), microbatches
+forward/backward, clip, step, log, maybe publish a background save, maybe save (`saving.py`),
+maybe stop -> summary. Rank 0 reports progress and writes the metrics file (and the TensorBoard logs);
+every rank beats its heartbeat (`heartbeat.py`) for hang detection.
 
 Stopping: a SIGINT/SIGTERM only sets a flag (`stopping.deferred`); the flag travels in the
 step's loss all-reduce, so every rank sees it after the same step and leaves together with
-`Interrupted`, a save in progress finished.
+`Interrupted`, a save in progress (or in flight in the background) finished.
 """
 
 from __future__ import annotations
@@ -22,28 +24,38 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hfsdp.cli import stopping
+from hfsdp.cli import stopping, timeline
 from hfsdp.cli.preflight import MODEL_KEY, model_settings
 from hfsdp.cli.progress import reporter
 from hfsdp.cli.report import say
-from hfsdp.cli.run_dir import RUN_DIR_ENV, progress_file
+from hfsdp.cli.run_dir import RUN_DIR_ENV, progress_file, read_json, write_json
 from hfsdp.cli.tensorboard_log import TensorBoardLog
 from hfsdp.cli.train_config import TrainConfig
-
-#: Where a checkpoint's `extra` records the learning-rate schedule, so that a resume continues it.
-SCHEDULE_KEY = "schedule"
 
 
 def run_training(cfg: TrainConfig) -> dict:
     """Train as one rank of an already-launched job (torch.distributed.run set RANK, WORLD_SIZE, ...)."""
     device = _init_distributed(cfg)
     try:
-        return _train(cfg, device, dist.get_rank())
-    finally:
-        # torch's gloo keeps finished collectives in reference cycles; freed at interpreter exit they can abort
-        # the process, so they are collected while the process group still lives.
-        gc.collect()
-        dist.destroy_process_group()
+        result = _train(cfg, device, dist.get_rank())
+    except Exception:
+        # Leaving on an error (often a peer's death): the elastic agent waits for every rank to exit before it can
+        # restart them, and collecting a process's millions of torch and transformers objects took seconds per rank
+        # (12 s on a loaded 2-core box). Frozen, they are left to the exit; no collective is freed meanwhile.
+        gc.freeze()
+        raise
+    except BaseException:  # a stop by a signal: every rank leaves together, at the same step
+        _close()
+        raise
+    _close()
+    return result
+
+
+def _close() -> None:
+    # torch's gloo keeps finished collectives in reference cycles; freed at interpreter exit they can abort the
+    # process, so they are collected while the process group still lives.
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _init_distributed(cfg: TrainConfig) -> torch.device:
@@ -58,31 +70,49 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
+    from hfsdp.cli.autoresume import RUN_ID_KEY, run_id
     from hfsdp.cli.build_model import build_model
+    from hfsdp.cli.heartbeat import Heartbeat
+    from hfsdp.cli.resume import CONSUMED_KEY, SCHEDULE_KEY, open_metrics, resume
+    from hfsdp.cli.saving import Saver
     from hfsdp.core.clip import clip_grad_norm_, global_grad_norm
     from hfsdp.core.main_params import param_groups
     from hfsdp.recipes.data import microbatch
 
-    layout = cfg.layout
+    layout, world = cfg.layout, dist.get_world_size()
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    beat = Heartbeat(cfg.step_timeout, rank, cfg.save, run_dir)
     built = build_model(cfg, device)
     sharded = built.sharded
     opt = _optimizer(cfg, param_groups(sharded, cfg.weight_decay))
     apart = _instances_apart(layout)
     data, held_out = _data(cfg, built.vocab_size)
-    start, settings = _maybe_load(cfg, sharded, opt, rank)
+    if rank == 0:
+        timeline.note(cfg.timeline, "model built")
+    began_load = time.perf_counter()
+    beat.beat("load", 0)
+    resumed = resume(cfg, sharded, opt, rank)
+    if rank == 0:
+        timeline.note(cfg.timeline, "loaded", seconds=time.perf_counter() - began_load, step=resumed.start)
+    start, consumed, settings = resumed.start, resumed.consumed, resumed.schedule
     schedule = _schedule(settings, opt, start)
-    progress = progress_file(os.environ[RUN_DIR_ENV]) if RUN_DIR_ENV in os.environ else None
+    progress = progress_file(run_dir) if run_dir is not None else None
+    shown_up_to = int(read_json(progress).get("shown", 0)) if progress is not None else 0
+    if progress is not None and rank == 0:
+        write_json(progress, {"step": start, "shown": shown_up_to})
 
-    metrics = open(cfg.metrics, "a" if start else "w") if (cfg.metrics and rank == 0) else None  # noqa: SIM115
+    saver = Saver(cfg, sharded, opt, built.record, rank)
+    metrics = open_metrics(cfg.metrics, start) if (cfg.metrics and rank == 0) else None
     board = TensorBoardLog(cfg.tensorboard_dir) if (cfg.tensorboard_dir and rank == 0) else None
-    count, times, loss_value, saved = cfg.num_microbatches, [], float("nan"), []
-    shown = reporter(cfg.steps, start, cfg.log_every) if rank == 0 else None
+    count, times, loss_value = cfg.num_microbatches, [], float("nan")
+    shown = reporter(cfg.steps, start, cfg.log_every, shown_up_to) if rank == 0 else None
     with stopping.deferred(), shown or _Silent():
         for step in range(start, cfg.steps):
+            beat.beat("step", step + 1)
             if cfg.debug_fail_rank == rank and step == start + 1:
                 raise RuntimeError(f"injected failure on rank {rank} at step {step} (--debug-fail-rank)")
             began = time.perf_counter()
-            batch = data.global_batch(step, layout.global_batch_size)
+            batch = data.samples(consumed, layout.global_batch_size)
             total = torch.zeros((), device=device)
             for index in range(count):
                 sharded.set_microbatch(index, count)
@@ -90,14 +120,18 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 loss = built.loss(sharded, tokens, labels)
                 loss.backward()
                 total += loss.detach()
-            # The stop flag rides on the loss's all-reduce: every rank learns of a signal after the same step.
-            shared = torch.stack([total, torch.tensor(float(stopping.requested() is not None), device=device)])
+            # The stop flag and "my checkpoint file is written" ride on the loss's all-reduce: every rank learns of
+            # a signal, and of a background save every rank has written, after the same step.
+            flags = [float(stopping.requested() is not None), saver.written()]
+            shared = torch.cat([total.reshape(1), torch.tensor(flags, device=device)])
             dist.all_reduce(shared)
             norm = clip_grad_norm_(sharded, cfg.clip_grad) if cfg.clip_grad else global_grad_norm(sharded)
             lr = opt.param_groups[0]["lr"]
+            saver.before_update()
             opt.step()
             opt.zero_grad()
             schedule.step()
+            consumed += layout.global_batch_size
             loss_value = shared[0].item() / (count * layout.dp)
             elapsed = time.perf_counter() - began
             times.append(elapsed)
@@ -109,6 +143,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 "tokens_per_s": cfg.tokens_per_step / elapsed,
                 "step_time_s": elapsed,
                 "peak_memory_mb": _peak_memory_mb(device),
+                "consumed_samples": consumed,
             }
             if held_out is not None and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
                 record["eval_loss"] = _evaluate(cfg, built, held_out, device, rank)
@@ -119,18 +154,30 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 board.write(record)
             if shown:
                 shown.update(record)
-            if cfg.save and cfg.save_every and (step + 1) % cfg.save_every == 0:
-                saved.append(_save(cfg, built, opt, settings, step + 1, rank))
-            if rank == 0 and progress:
-                _write_progress(progress, step + 1)
+            if rank == 0 and step == start:
+                timeline.note(cfg.timeline, "first step", step=step + 1)
+            if saver.in_flight:
+                beat.beat("publish", step + 1)
+            saver.publish_if(shared[2].item() == world)
+            if saver.due(step + 1):
+                beat.beat("save", step + 1)
+                extra = {"step": step + 1, CONSUMED_KEY: consumed, MODEL_KEY: model_settings(cfg),
+                         SCHEDULE_KEY: settings, RUN_ID_KEY: run_id()}  # fmt: skip
+                saver.save(step + 1, extra)
+            if rank == 0 and progress is not None:
+                shown_up_to = max(shown_up_to, step + 1)
+                write_json(progress, {"step": step + 1, "shown": shown_up_to})
             if shared[1].item() > 0 and step + 1 < cfg.steps:
+                beat.beat("save", step + 1)
+                saver.finish()
                 if metrics:
                     metrics.close()
                 if board:
                     board.close()
                 raise stopping.Interrupted(stopping.requested() or signal.SIGTERM, step + 1)
-        if cfg.save and cfg.steps > start and (not cfg.save_every or cfg.steps % cfg.save_every):
-            saved.append(_save(cfg, built, opt, settings, cfg.steps, rank))
+        beat.beat("save", cfg.steps)
+        saver.finish()
+    beat.close()
     if metrics:
         metrics.close()
     if board:
@@ -144,7 +191,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
         "final_loss": loss_value,
         "tokens_per_s": cfg.tokens_per_step / steady[len(steady) // 2] if steady else float("nan"),
         "peak_memory_mb_per_rank": peaks,
-        "checkpoints": [str(p) for p in saved],
+        "checkpoints": [str(p) for p in saver.saved],
     }
     if rank == 0:
         _print_summary(cfg, summary, device)
@@ -184,39 +231,6 @@ def _data(cfg: TrainConfig, vocab_size: int):
     return data.split()
 
 
-#: Schedule setting -> (its key in a checkpoint's "schedule" record, the TrainConfig setting that gives it).
-SCHEDULE = {
-    "lr": "lr",
-    "min_lr": "min_lr",
-    "warmup_iters": "lr_warmup_iters",
-    "decay_iters": "lr_decay_iters",
-    "style": "lr_decay_style",
-}
-
-
-def schedule_settings(cfg: TrainConfig, saved: dict | None) -> tuple[dict, list[str]]:
-    """The learning-rate schedule of this run, and notes on where it departs from a resumed checkpoint's.
-
-    A resume continues the schedule it was saved with (as Megatron does): each setting the user did not set
-    (flag or config file) comes from the checkpoint's record; one the user set wins, and the note says so.
-    Without a record the run's own settings hold; the decay ends at --steps unless --lr-decay-iters says.
-    """
-    own = {key: cfg.values[name] for key, name in SCHEDULE.items()}
-    if own["decay_iters"] is None:
-        own["decay_iters"] = cfg.steps
-    if not saved:
-        return own, []
-    settings, notes = {}, []
-    for key, name in SCHEDULE.items():
-        if cfg.explicit(name) or key not in saved:
-            settings[key] = own[key]
-            if key in saved and saved[key] != own[key]:
-                notes.append(f"{cfg.given[name].spelled} {own[key]} instead of the checkpoint's {saved[key]}")
-        else:
-            settings[key] = saved[key]
-    return settings, notes
-
-
 def _schedule(settings: dict, opt, start: int):
     """Megatron's warmup + decay as a LambdaLR over every parameter group, positioned after `start` steps."""
     from hfsdp.recipes.lr_schedule import Schedule, scheduler
@@ -241,58 +255,6 @@ def _evaluate(cfg: TrainConfig, built, held_out, device: torch.device, rank: int
             total += built.loss(built.sharded, tokens, labels).detach()
     dist.all_reduce(total)
     return total.item() / (cfg.eval_iters * count * layout.dp)
-
-
-def _maybe_load(cfg: TrainConfig, sharded, opt, rank: int) -> tuple[int, dict]:
-    """Resume from --load: (the step to start from, the learning-rate schedule to follow). The schedule and weight
-    decay continue the checkpoint's unless the user set them. A checkpoint without optimizer state (an import of
-    Hugging Face weights) starts the optimizer fresh at step 0 with this run's schedule."""
-    if not cfg.load:
-        return 0, schedule_settings(cfg, None)[0]
-    from hfsdp.ckpt import load_checkpoint, read_index, resolve
-
-    ckpt_dir = resolve(cfg.load)
-    index = read_index(ckpt_dir)
-    fresh = index.optimizer is None
-    extra = load_checkpoint(cfg.load, sharded, None if fresh else opt)
-    settings, notes = schedule_settings(cfg, None if fresh else extra.get(SCHEDULE_KEY))
-    if fresh:
-        notes.insert(0, "weights only: the optimizer starts fresh at step 0")
-    decay = [g for g in opt.param_groups if g.get("name") == "decay"]
-    if not fresh and cfg.explicit("weight_decay") and decay and decay[0]["weight_decay"] != cfg.weight_decay:
-        notes.append(f"weight decay {cfg.weight_decay:g} from {cfg.given['weight_decay'].spelled}, not the "
-                     f"checkpoint's {decay[0]['weight_decay']:g}")  # fmt: skip
-        for group in decay:
-            group["weight_decay"] = cfg.weight_decay
-    if rank == 0:
-        before = index.config().layout_name
-        say(f"resumed from {ckpt_dir} ({before} -> {cfg.layout.layout_name})" + "".join(f"; {n}" for n in notes))
-    return (0 if fresh else int(extra["step"])), settings
-
-
-def _save(cfg: TrainConfig, built, opt, settings: dict, step: int, rank: int) -> Path:
-    """Save step `step` (collective); rank 0 then applies --save-keep, once the new checkpoint is published."""
-    from hfsdp.ckpt import save_checkpoint
-
-    extra = {
-        "step": step,
-        "consumed_samples": step * cfg.layout.global_batch_size,
-        MODEL_KEY: model_settings(cfg),
-        SCHEDULE_KEY: settings,
-    }
-    path = save_checkpoint(cfg.save, built.sharded, opt, step=step, extra=extra, model_record=built.record)
-    if rank == 0 and cfg.save_keep:
-        from hfsdp.cli.retention import prune
-
-        prune(cfg.save, cfg.save_keep)
-    return path
-
-
-def _write_progress(path: Path, step: int) -> None:
-    """Record the last completed step for the launcher's report (replace, so it is never read half-written)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"step": step}))
-    os.replace(tmp, path)
 
 
 def _peak_memory_mb(device: torch.device) -> float:

@@ -23,7 +23,7 @@ import warnings
 import torch.distributed as dist
 
 from hfsdp.ckpt import CheckpointError
-from hfsdp.cli import stopping
+from hfsdp.cli import stopping, timeline
 from hfsdp.cli.report import say
 from hfsdp.cli.run_dir import RUN_DIR_ENV, error_file
 from hfsdp.cli.train_config import TrainConfig
@@ -33,10 +33,16 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 
 def entrypoint(cfg: TrainConfig) -> None:
-    """Run one rank under the launcher's elastic agent; exits with the rank's code."""
+    """Run one rank under the launcher's elastic agent; exits with the rank's code.
+
+    A rank that failed leaves at once, without the interpreter's teardown: the agent restarts (or ends) the run only
+    once every rank is gone, and tearing down torch and transformers took seconds per rank on a loaded machine.
+    """
     code = run_rank(cfg)
     if code:
-        sys.exit(code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_rank(cfg: TrainConfig, resumed_from: str | None = None) -> int:
@@ -44,6 +50,8 @@ def run_rank(cfg: TrainConfig, resumed_from: str | None = None) -> int:
     quiet_warnings()
     stopping.install()
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        timeline.note(cfg.timeline, "rank started")
     run_dir = os.environ.get(RUN_DIR_ENV)
     try:
         from hfsdp.cli.train_loop import run_training

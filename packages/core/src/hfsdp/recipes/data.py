@@ -1,10 +1,16 @@
 """Token streams: a deterministic learnable synthetic one, and Megatron indexed datasets.
 
-Both are defined by global batch: step k's global batch is the same tokens whatever
-the layout, and data-parallel rank r's microbatch m is chunk `m * dp + r` of it (with
-instances that train apart, of their share of it: `microbatch`).
-That is what makes layouts comparable loss for loss. `split()` sets data aside for
-evaluation: sequences the training stream never shows.
+Both are addressed by *sample position*: sample i of a stream is the same tokens
+whatever the batch it is drawn in, so `samples(first, count)` is samples
+`first .. first + count - 1`. A run keeps its place as the number of samples it has
+consumed (`consumed_samples`, saved in every checkpoint), not as step x batch: when the
+global batch or the world changes on a resume, the next step starts at the first sample
+not yet trained on, so nothing is replayed or skipped. `global_batch(step, size)` is
+`samples(step * size, size)`, the batch of a run whose batch never changed.
+Data-parallel rank r's microbatch m is chunk `m * dp + r` of a global batch (with
+instances that train apart, of their share of it: `microbatch`), so layouts are
+comparable loss for loss. `split()` sets data aside for evaluation:
+sequences the training stream never shows.
 """
 
 from __future__ import annotations
@@ -13,13 +19,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
+_MASK = (1 << 64) - 1
+
+
+def _mix(*words: int) -> int:
+    """A 64-bit hash of whole numbers (splitmix64's finaliser, chained): the random draws of one sample, so that
+    any sample can be drawn alone, in any batch, and is the same every time."""
+    h = 0x9E3779B97F4A7C15
+    for w in words:
+        h = (h ^ (w & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK
+        h ^= h >> 29
+    return h
+
 
 @dataclass(frozen=True)
 class SyntheticTokens:
     """Sequences of an affine recurrence t' = (a*t + b) mod V, with (a, b) drawn from a small set.
 
     The next token follows from the previous one once the model has worked out
-    which rule a sequence uses, so the loss falls steadily from log(V).
+    which rule a sequence uses, so the loss falls steadily from log(V). Sample i's rule
+    and first token are a hash of (seed, stream, i): addressable by position.
     """
 
     vocab_size: int
@@ -32,21 +52,32 @@ class SyntheticTokens:
         """(training, held-out): the same rules, disjoint random streams of sequences."""
         return self, replace(self, stream=1)
 
-    def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + self.stream * 2**40)
+    def samples(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels) of samples `first .. first + count - 1`, each `seq_length` long."""
         rule_gen = torch.Generator().manual_seed(self.seed)
         a = torch.randint(1, self.vocab_size, (self.rules,), generator=rule_gen) | 1
         b = torch.randint(0, self.vocab_size, (self.rules,), generator=rule_gen)
-        which = torch.randint(0, self.rules, (size, 1), generator=gen)
-        seq = torch.empty(size, self.seq_length + 1, dtype=torch.long)
-        seq[:, 0] = torch.randint(0, self.vocab_size, (size,), generator=gen)
+        draws = [
+            (_mix(self.seed, self.stream, i, 0), _mix(self.seed, self.stream, i, 1))
+            for i in range(first, first + count)
+        ]
+        which = torch.tensor([w % self.rules for w, _ in draws], dtype=torch.long)
+        seq = torch.empty(count, self.seq_length + 1, dtype=torch.long)
+        seq[:, 0] = torch.tensor([t % self.vocab_size for _, t in draws], dtype=torch.long)
         for j in range(self.seq_length):
-            seq[:, j + 1] = (a[which[:, 0]] * seq[:, j] + b[which[:, 0]]) % self.vocab_size
+            seq[:, j + 1] = (a[which] * seq[:, j] + b[which]) % self.vocab_size
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s batch of a run whose global batch was always `size`."""
+        return self.samples(step * size, size)
 
 
 class IndexedTokens:
-    """Fixed-length samples cut from a Megatron indexed dataset (`PREFIX.bin` / `PREFIX.idx`)."""
+    """Fixed-length samples cut from a Megatron indexed dataset (`PREFIX.bin` / `PREFIX.idx`).
+
+    Sample i is tokens `[i * seq_length, (i + 1) * seq_length]`; positions past the end wrap around (epochs).
+    """
 
     def __init__(self, prefix: str, seq_length: int):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -69,12 +100,17 @@ class IndexedTokens:
         train, evaluate = _window(self, 0, self.num_samples - count), _window(self, self.num_samples - count, count)
         return train, evaluate
 
-    def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self.first + (torch.arange(size) + step * size) % self.num_samples
+    def samples(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels) of samples `first .. first + count - 1` (wrapping around the dataset)."""
+        index = self.first + (torch.arange(count) + first) % self.num_samples
         starts = index * self.seq_length
         rows = starts[:, None] + torch.arange(self.seq_length + 1)
         seq = self.tokens[rows]
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s batch of a run whose global batch was always `size`."""
+        return self.samples(step * size, size)
 
 
 def _window(data: IndexedTokens, first: int, count: int) -> IndexedTokens:

@@ -2,7 +2,7 @@
 
 1. Ranks exchange their group structures (expert groups differ per ep rank) and
    plan the writes: each piece of each parameter is written once, by one of the
-   replicas that hold it (`pieces.plan_writes`).
+   replicas that hold it (`pieces.sections`).
 2. Rank 0 makes `ROOT/.tmp-step-N-<nonce>/` (and holds it locked, see
    `staging.py`); each rank streams its pieces of every state kind, the
    unsharded module tensors it owns (buffers, frozen parameters: rank 0 the
@@ -16,6 +16,13 @@ With DiLoCo every instance's own weights and inner optimizer state are written
 (per-instance kinds: ranks of different instances are not replicas), and the
 outer state once over all instances (`pieces.sections`); the index records the
 settings and the optimizer steps done, so a resume continues mid-cycle exactly.
+
+The code has the same three phases, so that an asynchronous save is this save
+and not a second saver: `prepare_save` (1 and the staging directory; collective),
+`PreparedSave.snapshot` and `Snapshot.write` (2; the only phase that takes time,
+and the only one with no collective and no engine call once the snapshot holds
+copies, so it may run on a background thread: `async_save.py`), and
+`PreparedSave.publish` (3 and 4; collective).
 
 A crash before the rename leaves only a hidden temporary directory (removed by
 the next save); a crash after it leaves a complete checkpoint that `latest`
@@ -83,6 +90,29 @@ def save_checkpoint(
     Hugging Face directory (`model_record.py`). Returns the checkpoint
     directory on every rank.
     """
+    prepared = prepare_save(
+        root, model, optimizer, step=step, extra=extra, save_rng=save_rng, model_record=model_record
+    )
+    return prepared.publish(prepared.snapshot().write())
+
+
+def prepare_save(
+    root: str | Path,
+    model,
+    optimizer=None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    save_rng: bool = True,
+    model_record: dict[str, Any] | None = None,
+) -> PreparedSave:
+    """Phase 1 of a save, collective: agree on what every rank writes and make (and lock) the staging directory.
+
+    Then `snapshot()` takes this rank's tensors (views, or copies into host memory), `Snapshot.write()` writes
+    them (no collectives: any thread may run it), and `publish(result)` (collective) exchanges every rank's
+    result and, if all wrote, makes the checkpoint the latest. `save_checkpoint` is the three in a row;
+    `AsyncSaver` runs the write on a background thread and publishes at a later step boundary.
+    """
     model = engine_of(model)  # the engine state: every helper below reads and writes through it
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
@@ -107,55 +137,128 @@ def save_checkpoint(
     kinds = [MODEL, MAIN, *(optim_record["states"] if optim_record else []), *outer_kinds(model)]
     plan = sections(model.config, groups, kinds, model.outer is not None)
     dtypes = _dtypes(groups, optim_state.state_dtypes([r[3] for r in reports]), outer_kinds(model))
+    index = CheckpointIndex(
+        step=step,
+        layout=model.config.to_dict(),
+        meshes=meshes_of(model.config),
+        extra=dict(extra or {}),
+        optimizer=optim_record,
+        groups=groups,
+        tensors={},
+        files={},
+        order=order,
+        unsharded=index_unsharded(model.config, unsharded),
+        model=record,
+        outer=outer_record(model),
+    )
 
     stage = _make_staging(root, final, step) if rank == 0 else None
     tmp_name = [stage.path.name if isinstance(stage, Staging) else stage]
     dist.broadcast_object_list(tmp_name, src=0)
     if isinstance(tmp_name[0], CheckpointError):
         raise tmp_name[0]
-    tmp = root / tmp_name[0]
-    try:
-        try:
-            rng = rng_states.capture() if save_rng else ({}, {})
-            owned = {name: module_tensors[name] for name in plan_unsharded(model.config, unsharded).get(rank, {})}
-            result: Any = _write_rank_file(tmp, model, optimizer, rank, plan, kinds, dtypes, rng, owned)
-        except Exception as err:
-            reason = err if isinstance(err, CheckpointError | OSError) else f"{type(err).__name__}: {err}"
-            result = CheckpointError(
-                f"Rank {rank} could not write its file in {tmp} ({reason}); nothing was published and the previous "
-                "checkpoint is still the latest. Check free space and rights on that rank's node, then save again."
-            )
-        results = [None] * world
-        dist.all_gather_object(results, result)
+    owned = {name: module_tensors[name] for name in plan_unsharded(model.config, unsharded).get(rank, {})}
+    return PreparedSave(
+        root, final, root / tmp_name[0], stage if isinstance(stage, Staging) else None, index,
+        (plan, kinds, dtypes), model, optimizer, rank, save_rng, owned,
+    )  # fmt: skip
 
-        status: list[Any] = [None]
-        if rank == 0:
-            try:
-                index = CheckpointIndex(
-                    step=step,
-                    layout=model.config.to_dict(),
-                    meshes=meshes_of(model.config),
-                    extra=dict(extra or {}),
-                    optimizer=optim_record,
-                    groups=groups,
-                    tensors={},
-                    files={},
-                    order=order,
-                    unsharded=index_unsharded(model.config, unsharded),
-                    model=record,
-                    outer=outer_record(model),
-                )
-                status[0] = _publish(root, tmp, final, index, (plan, dtypes), results)
-            except Exception as err:  # never leave the other ranks waiting for the broadcast
-                remove_quietly(tmp)
-                status[0] = as_checkpoint_error(err)
-        dist.broadcast_object_list(status, src=0)
-    finally:
-        if isinstance(stage, Staging):
-            stage.release()
-    if isinstance(status[0], CheckpointError):
-        raise status[0]
-    return final
+
+class PreparedSave:
+    """A save whose every rank agreed on the plan, its staging directory made: snapshot, write, then publish."""
+
+    def __init__(self, root, final, tmp, stage, index, planned, model, optimizer, rank, save_rng, owned):
+        self.root, self.final, self.tmp, self._stage, self.index = root, final, tmp, stage, index
+        self._planned, self._model, self._optimizer, self.rank = planned, model, optimizer, rank
+        self._save_rng, self._owned = save_rng, owned
+
+    def snapshot(self, copy=None) -> Snapshot:
+        """This rank's tensors to write: the live ones, or `copy(tensors)` of them (host copies that training may
+        not touch); the RNG state is taken now. Never raises: a failure becomes the result `write` returns."""
+        plan, kinds, dtypes = self._planned
+        try:
+            rng = rng_states.capture() if self._save_rng else ({}, {})
+            entries = file_entries(self.rank, plan, dtypes, rng[0], _specs(self._owned))
+            tensors: list[torch.Tensor] = []
+            if entries:  # in file order: pieces by kind, the module tensors this rank owns, its RNG state
+                local = piece_tensors(self._model, self._optimizer, tuple(kinds))
+                tensors = [
+                    local[kind, it.name] for section in plan for kind in section.kinds for it in section.plan[self.rank]
+                ]
+                tensors += [t.detach() for t in self._owned.values()] + list(rng[0].values())
+                if copy is not None:
+                    tensors = copy(tensors)
+            return Snapshot(self.tmp, self.rank, entries, tensors, list(rng[0]), rng[1])
+        except Exception as err:
+            return Snapshot(self.tmp, self.rank, [], [], [], {}, rank_write_failed(self.rank, self.tmp, err))
+
+    def publish(self, result) -> Path:
+        """Phase 3, collective: gather every rank's result; rank 0 writes the index and publishes; all return the
+        checkpoint directory or all raise the same CheckpointError."""
+        world = dist.get_world_size()
+        try:
+            results = [None] * world
+            dist.all_gather_object(results, result)
+            status: list[Any] = [None]
+            if self.rank == 0:
+                try:
+                    status[0] = _publish(self.root, self.tmp, self.final, self.index, self._planned, results)
+                except Exception as err:  # never leave the other ranks waiting for the broadcast
+                    remove_quietly(self.tmp)
+                    status[0] = as_checkpoint_error(err)
+            dist.broadcast_object_list(status, src=0)
+        finally:
+            self.release()
+        if isinstance(status[0], CheckpointError):
+            raise status[0]
+        return self.final
+
+    def release(self) -> None:
+        """Drop rank 0's lock on the staging directory (publish does; call it when abandoning the save)."""
+        if self._stage is not None:
+            self._stage.release()
+            self._stage = None
+
+
+class Snapshot:
+    """One rank's tensors of a save, ready to write; `write` needs no collective and no engine call."""
+
+    def __init__(self, tmp: Path, rank: int, entries, tensors: list, rng_keys: list, rng_meta: dict, error=None):
+        self.tmp, self.rank, self.entries, self.tensors = tmp, rank, entries, tensors
+        self.rng_keys, self.rng_meta, self.error = rng_keys, rng_meta, error
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def write(self) -> dict[str, Any] | CheckpointError | None:
+        """Stream the tensors into `rank-XXXXX.safetensors`, fsync; return the file's metadata and RNG record, None
+        when this rank writes nothing, or the CheckpointError that stopped it (exchanged by `publish`)."""
+        if self.error is not None:
+            return self.error
+        if not self.entries:
+            return None
+        writer = None
+        try:
+            writer = TensorFileWriter(self.tmp / file_name(self.rank), self.entries)
+            for tensor in self.tensors:
+                writer.write(tensor)
+            entry = writer.finish()
+        except Exception as err:
+            if writer is not None:
+                writer.abort()
+            return rank_write_failed(self.rank, self.tmp, err)
+        keys = self.rng_keys
+        record = {"file": file_name(self.rank), "keys": keys, **self.rng_meta} if keys else None
+        return {"file": file_name(self.rank), "entry": entry, "rng": record}
+
+
+def rank_write_failed(rank: int, tmp: Path, err: BaseException) -> CheckpointError:
+    reason = err if isinstance(err, CheckpointError | OSError) else f"{type(err).__name__}: {err}"
+    return CheckpointError(
+        f"Rank {rank} could not write its file in {tmp} ({reason}); nothing was published and the previous "
+        "checkpoint is still the latest. Check free space and rights on that rank's node, then save again."
+    )
 
 
 def _check_step(step) -> None:
@@ -227,33 +330,6 @@ def _unsharded_specs(cfg, reports: list[dict[str, TensorEntry]]) -> dict[str, Te
     return merged
 
 
-def _write_rank_file(tmp, model, optimizer, rank, planned, kinds, dtypes, rng, owned) -> dict[str, Any] | None:
-    """Stream this rank's planned pieces of every kind (section by section), the unsharded tensors it owns
-    (`owned`: global name -> module tensor), then its RNG state (`rng`: the tensors and index record of
-    `rng.capture`); return the file's metadata and its RNG record."""
-    rng, rng_meta = rng
-    entries = file_entries(rank, planned, dtypes, rng, _specs(owned))
-    if not entries:
-        return None
-    local = piece_tensors(model, optimizer, tuple(kinds))
-    writer = TensorFileWriter(tmp / file_name(rank), entries)
-    try:
-        for section in planned:
-            for kind in section.kinds:
-                for it in section.plan[rank]:  # each planned item is one of this rank's pieces
-                    writer.write(local[kind, it.name])
-        for tensor in owned.values():
-            writer.write(tensor.detach())
-        for tensor in rng.values():
-            writer.write(tensor)
-        entry = writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    record = {"file": file_name(rank), "keys": list(rng), **rng_meta} if rng else None
-    return {"file": file_name(rank), "entry": entry, "rng": record}
-
-
 def _publish(root, tmp, final, index, planned, results) -> CheckpointError | None:
     """Rank 0: complete the index with the files, write it, rename (replacing an unpublished orphan of the same
     step), point `latest`; return the error, if any."""
@@ -271,7 +347,7 @@ def _publish(root, tmp, final, index, planned, results) -> CheckpointError | Non
             files[result["file"]] = result["entry"]
             if result["rng"] is not None:
                 rng[str(rank)] = result["rng"]
-        plan, dtypes = planned
+        plan, _, dtypes = planned
         index.tensors = index_tensors(plan, index.groups, dtypes, has_file)
         index.files, index.rng = dict(sorted(files.items())), rng
         write_index(tmp, index)
