@@ -15,8 +15,8 @@ once the background write is done, as `hfsdp train --async-save` does. Its stall
 plus what the following steps took beyond the baseline while the copy and the write were in flight, plus the
 publish. The first asynchronous save also allocates the page-locked buffers; the second reuses them (the steady
 state). Each checkpoint is deleted after it is measured (14 bytes per parameter: about 42 GB for the 3B), and a
-model whose checkpoint would not fit the free disk is skipped and says so. Goal (issue 21): the steady asynchronous stall at most 10% of the
-synchronous save.
+model whose checkpoint would not fit the free disk is skipped and says so. Goal (issue 21): the steady
+asynchronous stall at most 10% of the synchronous save.
 
 **Recovery** (`hfsdp train --max-restarts 1 --timeline` in a subprocess, the 0.9B Llama): after step 9 of a run
 that saved step 6, the rank is SIGKILLed. From the timeline: detect (the kill until the launcher has the group
