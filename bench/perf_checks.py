@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         port = sock.getsockname()[1]
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     timing = None
     try:
