@@ -127,7 +127,7 @@ def test_validate_config_reads_the_diloco_section_and_summarises_its_cost(tmp_pa
     bad.write_text("parallel:\n  world_size: 8\ndiloco:\n  sync_every: 50\n")
     result = runner.invoke(app, ["validate-config", str(bad)])
     assert result.exit_code == 1
-    assert "diloco.sync_every: diloco.sync_every 50 is a DiLoCo setting" in result.stdout
+    assert "diloco.sync_every 50 is a DiLoCo setting" in result.stdout
     assert "ddp.outer_dp_sharding_strategy to diloco" in result.stdout
 
 
@@ -135,7 +135,7 @@ def test_train_refuses_bad_settings_in_one_line_without_a_traceback():
     """`hfsdp train --sync-every 5` without diloco exits 1 with one paragraph, before any rank starts."""
     result = subprocess.run([HFSDP, "train", "--sync-every", "5"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert result.stderr.startswith("error: --sync-every: --sync-every 5 is a DiLoCo setting")
+    assert result.stderr.startswith("error: --sync-every 5 is a DiLoCo setting")
     assert "Traceback" not in result.stderr + result.stdout
 
 

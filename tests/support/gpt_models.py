@@ -42,7 +42,7 @@ def train_sharded(rank, world, layout_kwargs, steps, microbatches, shape=None, c
         dist.all_reduce(total)
         losses.append(total.item() / (microbatches * cfg.dp))
         if clip is not None:
-            norms.append(clip_grad_norm_(sharding_of(sharded).groups, clip).item())
+            norms.append(clip_grad_norm_(sharded, clip).item())
         opt.step()
         opt.zero_grad()
     experts = [g for g in sharding_of(sharded).groups if g.is_expert]

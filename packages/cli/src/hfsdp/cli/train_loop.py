@@ -147,6 +147,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             }
             if held_out is not None and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
                 record["eval_loss"] = _evaluate(cfg, built, held_out, device, rank)
+            if rank == 0 and progress is not None:  # before the metrics: the launcher never knows less than they say
+                write_json(progress, {"step": step + 1, "shown": shown_up_to})
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
@@ -164,8 +166,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 extra = {"step": step + 1, CONSUMED_KEY: consumed, MODEL_KEY: model_settings(cfg),
                          SCHEDULE_KEY: settings, RUN_ID_KEY: run_id()}  # fmt: skip
                 saver.save(step + 1, extra)
-            if rank == 0 and progress is not None:
-                shown_up_to = max(shown_up_to, step + 1)
+            if rank == 0 and progress is not None and step + 1 > shown_up_to:
+                shown_up_to = step + 1
                 write_json(progress, {"step": step + 1, "shown": shown_up_to})
             if shared[1].item() > 0 and step + 1 < cfg.steps:
                 beat.beat("save", step + 1)
