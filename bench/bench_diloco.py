@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=300.0, help="wall time the sweep may take, with --steps auto")
     p.add_argument("--rows", type=int, default=8, help="sequences per instance per step")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (every DiLoCo run)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (0: plain SGD)")
     p.add_argument("--eval-rows", type=int, default=64)
     p.add_argument("--out", default="diloco_results.jsonl")
     p.add_argument("--only", nargs="*", help="names of the runs to do (default: the whole sweep)")
@@ -98,7 +100,13 @@ def _model(args, run: Run, seed: int, device):
     cfg = LayoutConfig(world_size=args.instances, outer=run.outer, instances=args.instances)
     diloco = None
     if run.outer == "diloco":
-        diloco = DiLoCoConfig(sync_every=run.sync_every, comm_dtype=run.comm_dtype, fragments=run.fragments)
+        diloco = DiLoCoConfig(
+            sync_every=run.sync_every,
+            comm_dtype=run.comm_dtype,
+            fragments=run.fragments,
+            lr=args.outer_lr,
+            momentum=args.outer_momentum,
+        )
     mp = MixedPrecision(param_dtype=torch.bfloat16 if device.type == "cuda" else None)
     sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, diloco=diloco)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -148,6 +156,8 @@ def train_run(args, run: Run, seed: int, steps: int, data, device, rank: int) ->
         **asdict(run),
         "seed": seed,
         "steps": steps,
+        "outer_lr": args.outer_lr if run.outer == "diloco" else None,
+        "outer_momentum": args.outer_momentum if run.outer == "diloco" else None,
         "instances": args.instances,
         "tokens": steps * args.rows * args.instances * args.shape.seq,
         "train_loss": both[0].item(),

@@ -10,6 +10,7 @@ the layouts without DiLoCo on either side. Two spawned groups: 4 ranks (save, sa
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from hfsdp.core.config import LayoutConfig
 from hfsdp.core.outer_config import DiLoCoConfig
 
 from tests.support.ckpt_files import edit_index
-from tests.support.diloco import MICROBATCHES, instance_microbatch, shard_toy
+from tests.support.diloco import MICROBATCHES, instance_microbatch, shard_toy, train_step
 from tests.support.distributed import run_distributed
 
 ZERO3 = "optim_grads_params"
@@ -42,14 +43,10 @@ def _train(sharded, opt, rank, world, instances, start, stop):
 
     losses = []
     for step in range(start, stop):
-        total = torch.zeros(())
-        for index in range(MICROBATCHES):
-            sharded.set_microbatch(index, MICROBATCHES)
-            loss = sharded(*instance_microbatch(step, index, MICROBATCHES, rank, world, instances))
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad()
+        batch = functools.partial(
+            instance_microbatch, step, count=MICROBATCHES, rank=rank, world=world, instances=instances
+        )
+        total = train_step(sharded, opt, batch)
         dist.all_reduce(total)
         losses.append(total.item() / (MICROBATCHES * world))
     return losses

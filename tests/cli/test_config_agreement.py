@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 import math
 import random
-import signal
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from hfsdp.cli.main import app
@@ -103,14 +101,6 @@ def _train_each(rank: int, world: int, paths: list[str]) -> list[str]:
             outcomes.append(f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
         gc.collect()  # as run_training does: gloo's finished work in reference cycles
     return outcomes
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def test_what_validate_config_accepts_trains_and_what_it_refuses_train_refuses(tmp_path):

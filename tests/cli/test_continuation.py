@@ -4,7 +4,6 @@ checkpoint. In-process: each check answers in a fraction of a second, with no ra
 from __future__ import annotations
 
 import inspect
-import signal
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ from hfsdp.core.config import ConfigError, LayoutConfig
 SMALL = ["--layers", "1", "--hidden", "32", "--vocab", "64", "--seq-len", "16", "--device", "cpu"]
 HFSDP_3X2 = {"nproc": 6, "instances": 3, "outer": "optim", "global_batch_size": 24, "max_restarts": 1}
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    """`hfsdp train` installs SIGINT/SIGTERM handlers; give pytest its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def _flags(**values) -> dict:

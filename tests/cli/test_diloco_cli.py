@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,17 +19,8 @@ from hfsdp.cli.main import app
 from hfsdp.cli.train_config import build_train_config
 from hfsdp.core.config import ConfigError
 
-HFSDP = str(Path(sys.executable).parent / "hfsdp")
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-}
+from tests.support.runs import HFSDP, LLAMA
+
 runner = CliRunner()
 
 

@@ -4,7 +4,6 @@ a second, with one message naming the flag and no "starting N ranks" line."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -21,15 +20,6 @@ from hfsdp.core.config import LayoutConfig
 
 SMALL = ["--layers", "1", "--hidden", "32", "--vocab", "64", "--seq-len", "16", "--device", "cpu", "--nproc", "2"]
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    """`hfsdp train` installs SIGINT/SIGTERM handlers; give pytest its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def fake_checkpoint(root: Path, step: int, hidden: int = 32, vocab: int = 64, model: dict | None = None) -> Path:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-HFSDP = str(Path(sys.executable).parent / "hfsdp")
+from tests.support.runs import HFSDP, LLAMA
+
 SMALL = ["--layers", "1", "--hidden", "32", "--vocab", "64", "--seq-len", "16", "--device", "cpu"]
 
 
@@ -343,18 +344,6 @@ def test_a_killed_rank_is_reported_as_killed(tmp_path):
         lines[0],
     ), err
     assert not _wait_gone(ranks)
-
-
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-}
 
 
 def test_train_a_hugging_face_model_with_a_schedule_evaluation_and_recompute(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -17,17 +16,9 @@ from typer.testing import CliRunner
 from hfsdp.cli.main import app
 from hfsdp.models.hf_config import MAX_JSON_BYTES, HFConfigUnreadable, HFModelError, read_hf_config
 
+from tests.support.runs import LLAMA
+
 runner = CliRunner()
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-}
 
 
 def _fifo(path: Path) -> None:
@@ -70,15 +61,6 @@ BAD = {
     ),
     "a negative epsilon": (_config(rms_norm_eps=-1e-6), "rms_norm_eps -1e-06 must be a positive number"),
 }
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    """`hfsdp train` installs SIGINT/SIGTERM handlers; give pytest its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -14,6 +14,7 @@ import torch
 from hfsdp.core import sharding_of
 
 from tests.support.distributed import run_distributed
+from tests.support.steps import accumulate
 
 STEPS, MICROBATCHES, GLOBAL_BATCH, SEQ = 4, 2, 8, 16
 CONFIG = {
@@ -72,12 +73,11 @@ def _train_sharded(sharded, rank, world, steps):
     opt, schedule = _optimizer_and_schedule(param_groups(sharded, weight_decay=0.1))
     losses = []
     for step in range(steps):
-        total = torch.zeros(())
-        for index in range(MICROBATCHES):
-            sharded.set_microbatch(index, MICROBATCHES)
-            loss = hf.causal_lm_loss(sharded, *microbatch(_batch(step), index, MICROBATCHES, rank, world))
-            loss.backward()
-            total += loss.detach()
+
+        def loss_of(index, batch=_batch(step)):
+            return hf.causal_lm_loss(sharded, *microbatch(batch, index, MICROBATCHES, rank, world))
+
+        total = accumulate(sharded, MICROBATCHES, loss_of)
         dist.all_reduce(total)
         losses.append(total.item() / (MICROBATCHES * world))
         opt.step()

@@ -19,6 +19,7 @@ from torch import nn
 
 from hfsdp.core import sharding_of
 
+from tests.support.steps import accumulate
 from tests.support.toy_models import Block
 
 NUM_EXPERTS = 4
@@ -183,13 +184,12 @@ def train(sm, opt, steps: int, start: int = 0) -> list[float]:
     losses = []
     for k in range(start, start + steps):
         x, y = data(k)
-        total = torch.zeros(())
-        for mb in range(MICROBATCHES):
-            sm.set_microbatch(mb, MICROBATCHES)
+
+        def loss_of(mb, x=x, y=y):
             c = mb * world + rank
-            loss = sm(x[c * b : (c + 1) * b], y[c * b : (c + 1) * b])
-            loss.backward()
-            total += loss.detach()
+            return sm(x[c * b : (c + 1) * b], y[c * b : (c + 1) * b])
+
+        total = accumulate(sm, MICROBATCHES, loss_of)
         dist.all_reduce(total)
         losses.append(total.item() / (MICROBATCHES * world))
         opt.step()

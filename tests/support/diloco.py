@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.support.steps import accumulate
 from tests.support.toy_models import GLOBAL_BATCH, global_batch, make_toy, microbatch
 
 MICROBATCHES = 2
@@ -24,6 +25,14 @@ def instance_microbatch(step: int, index: int, count: int, rank: int, world: int
     x, y = global_batch(step)
     size = GLOBAL_BATCH // (count * world)
     return x[chunk * size : (chunk + 1) * size], y[chunk * size : (chunk + 1) * size]
+
+
+def train_step(sharded, opt, batch) -> torch.Tensor:
+    """One optimizer step over MICROBATCHES microbatches, `batch(index)` giving each; this rank's summed loss."""
+    total = accumulate(sharded, MICROBATCHES, lambda index: sharded(*batch(index)))
+    opt.step()
+    opt.zero_grad()
+    return total
 
 
 def shard_toy(world, outer, inner, instances, diloco=None, is_expert=None, experts=False, mp=None):
@@ -96,17 +105,10 @@ def diloco_run(rank, world, layout, diloco, steps, optimizer="adamw", data=micro
     )
     initial = group_states(sharded)
     after, losses, comms = [], [], []
+    extra = () if data is microbatch else (instances,)
     for step in range(steps):
         with record_comms() as log:
-            total = torch.zeros(())
-            for index in range(MICROBATCHES):
-                sharded.set_microbatch(index, MICROBATCHES)
-                extra = () if data is microbatch else (instances,)
-                loss = sharded(*data(step, index, MICROBATCHES, rank, world, *extra))
-                loss.backward()
-                total += loss.detach()
-            opt.step()
-            opt.zero_grad()
+            total = train_step(sharded, opt, lambda i, step=step: data(step, i, MICROBATCHES, rank, world, *extra))
         dist.all_reduce(total)
         losses.append(total.item() / (MICROBATCHES * world))
         after.append(group_states(sharded))

@@ -156,6 +156,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 board.write(record)
             if shown:
                 shown.update(record)
+            if rank == 0 and progress is not None and step + 1 > shown_up_to:  # before the save: a kill in it
+                shown_up_to = step + 1  # must not print this step's line again
+                write_json(progress, {"step": step + 1, "shown": shown_up_to})
             if rank == 0 and step == start:
                 timeline.note(cfg.timeline, "first step", step=step + 1)
             if saver.in_flight:
@@ -166,9 +169,6 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 extra = {"step": step + 1, CONSUMED_KEY: consumed, MODEL_KEY: model_settings(cfg),
                          SCHEDULE_KEY: settings, RUN_ID_KEY: run_id()}  # fmt: skip
                 saver.save(step + 1, extra)
-            if rank == 0 and progress is not None and step + 1 > shown_up_to:
-                shown_up_to = step + 1
-                write_json(progress, {"step": step + 1, "shown": shown_up_to})
             if shared[1].item() > 0 and step + 1 < cfg.steps:
                 beat.beat("save", step + 1)
                 saver.finish()

@@ -1,0 +1,17 @@
+"""What every test gets: pytest's own signal handlers back after a test that ran `hfsdp train` in-process."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    """`hfsdp train` installs SIGINT/SIGTERM handlers for its quiet Ctrl-C; a test that calls it in-process must not
+    leave them to the tests after it."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
