@@ -72,8 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default="diloco_results.jsonl")
     p.add_argument("--only", nargs="*", help="names of the runs to do (default: the whole sweep)")
     p.add_argument("--smoke", action="store_true", help="a tiny model, 2 instances, 20 steps, on the CPU")
+    for field, default in asdict(Shape()).items():
+        if field != "vocab":
+            p.add_argument(f"--{field}", type=int, default=default, help=f"the model's {field} (default {default})")
     args = p.parse_args(argv)
-    args.shape = Shape()
+    args.shape = Shape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq)
     args.runs = [r for r in SWEEP if not args.only or r.name in args.only]
     if args.smoke:
         args.device, args.instances, args.seeds, args.steps, args.rows, args.eval_rows = "cpu", 2, [0], "20", 2, 8
@@ -156,6 +159,7 @@ def train_run(args, run: Run, seed: int, steps: int, data, device, rank: int) ->
         **asdict(run),
         "seed": seed,
         "steps": steps,
+        "shape": asdict(args.shape),
         "outer_lr": args.outer_lr if run.outer == "diloco" else None,
         "outer_momentum": args.outer_momentum if run.outer == "diloco" else None,
         "instances": args.instances,

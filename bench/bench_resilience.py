@@ -177,16 +177,9 @@ def measure_stall(name: str, args, device: torch.device, root: Path, log) -> dic
 
 
 def _ranks(launcher: int) -> list[int]:
-    found = []
-    for children in Path(f"/proc/{launcher}/task").glob("*/children"):
-        for pid in children.read_text().split():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                found.append(int(pid))
-    return found
+    from hfsdp.cli.launch import rank_processes
+
+    return rank_processes(launcher)
 
 
 def _records(path: Path) -> list[dict]:

@@ -76,16 +76,9 @@ class Run:
 
     def ranks(self) -> list[int]:
         """PIDs of the launcher's live rank processes (the current attempt's)."""
-        found = []
-        for children in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
-            for pid in children.read_text().split():
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                    found.append(int(pid))
-        return found
+        from hfsdp.cli.launch import rank_processes
+
+        return rank_processes(self.proc.pid)
 
     def finish(self, timeout: float = 600) -> str:
         self.out, self.err = self.proc.communicate(timeout=timeout)

@@ -93,17 +93,18 @@ def _reap_ranks() -> None:
     The elastic agent normally stops them itself; this covers a second Ctrl-C that cut its shutdown short.
     """
     deadline = time.monotonic() + GRACE_S
-    while _rank_processes() and time.monotonic() < deadline:
+    while rank_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in _rank_processes():
+    for pid in rank_processes():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
 
-def _rank_processes() -> list[int]:
-    """PIDs of this process's children that are spawned ranks (Linux /proc; elsewhere nothing is known)."""
+def rank_processes(launcher: int | None = None) -> list[int]:
+    """PIDs of the spawned ranks among the children of `launcher` (this process by default; Linux /proc, elsewhere
+    nothing is known). Tests and benchmarks use it to find the ranks of an `hfsdp train` they started."""
     pids = []
-    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+    for children in Path(f"/proc/{launcher or os.getpid()}/task").glob("*/children"):
         try:
             pids += [int(p) for p in children.read_text().split()]
         except OSError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 from typing import Any
 
+from hfsdp.cli.resilience_settings import RESILIENCE_SETTINGS
 from hfsdp.cli.setting import (
     Check,
     Setting,
@@ -402,71 +403,7 @@ SETTINGS: tuple[Setting, ...] = (
         path,
         "none",
     ),
-    # Surviving failures (docs/resilience.md).
-    Setting(
-        "max_restarts",
-        "--max-restarts",
-        0,
-        int,
-        "Restart all ranks up to N times when one dies, hangs or fails, from this run's last checkpoint in --save.",
-        non_negative_int,
-        panel="Resilience",
-    ),
-    Setting(
-        "min_nproc",
-        "--min-nproc",
-        None,
-        int,
-        "A restart drops the failed rank's instance while this many ranks remain (torchrun: --nnodes MIN:MAX).",
-        positive_int,
-        panel="Resilience",
-        default_text="--nproc",
-    ),
-    Setting(
-        "step_timeout",
-        "--step-timeout",
-        None,
-        float,
-        "A step, save or load making no progress this long is a hang: stacks dumped, ranks stopped (and restarted).",
-        positive_number,
-        panel="Resilience",
-        default_text="off",
-    ),
-    Setting(
-        "async_save",
-        "--async-save",
-        False,
-        bool,
-        "Write checkpoints in the background while training goes on (host memory: one rank file per rank).",
-        boolean,
-        panel="Checkpoints",
-    ),
-    Setting(
-        "debug_fail_rank",
-        "--debug-fail-rank",
-        None,
-        int,
-        "Fault injection: this rank raises at its second step.",
-        hidden=True,
-    ),
-    Setting(
-        "debug_slow_save",
-        "--debug-slow-save",
-        None,
-        int,
-        "Fault injection: in the first attempt, the background write of this step's save stalls after writing.",
-        positive_int,
-        hidden=True,
-    ),
-    Setting(
-        "timeline",
-        "--timeline",
-        None,
-        str,
-        "Append timestamped events (launch, failure, restart, load, first step) to this file as JSON lines.",
-        path,
-        hidden=True,
-    ),
+    *RESILIENCE_SETTINGS,
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
