@@ -147,18 +147,16 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             }
             if held_out is not None and ((step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps):
                 record["eval_loss"] = _evaluate(cfg, built, held_out, device, rank)
-            if rank == 0 and progress is not None:  # before the metrics: the launcher never knows less than they say
+            if shown:
+                shown.update(record)
+            if rank == 0 and progress is not None:  # after its line, before the metrics and the save: a kill from
+                shown_up_to = max(shown_up_to, step + 1)  # here on neither misnames the step nor prints it twice
                 write_json(progress, {"step": step + 1, "shown": shown_up_to})
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             if board:
                 board.write(record)
-            if shown:
-                shown.update(record)
-            if rank == 0 and progress is not None and step + 1 > shown_up_to:  # before the save: a kill in it
-                shown_up_to = step + 1  # must not print this step's line again
-                write_json(progress, {"step": step + 1, "shown": shown_up_to})
             if rank == 0 and step == start:
                 timeline.note(cfg.timeline, "first step", step=step + 1)
             if saver.in_flight:

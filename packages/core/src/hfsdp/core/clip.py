@@ -59,9 +59,11 @@ def _device(pieces: list[MainParam]) -> torch.device:
 
 def pieces_norm(pieces: list[MainParam], norm_type: float = 2.0) -> torch.Tensor:
     """The `norm_type` norm of the gradient of the parameters `pieces` are pieces of, over all ranks (collective)."""
-    norm_type = float(norm_type)
+    return _norm(pieces, _grads(pieces), float(norm_type))
+
+
+def _norm(pieces: list[MainParam], by_replicas: dict[int, list[torch.Tensor]], norm_type: float) -> torch.Tensor:
     device = _device(pieces)
-    by_replicas = _grads(pieces)
     group = pieces[0].group.owner().norm_group if pieces else None
     if math.isinf(norm_type):
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -84,7 +86,8 @@ def clip_pieces_(
     pieces: list[MainParam], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
     """Scale the gradient of `pieces` so its global norm is at most `max_norm`; return the norm before."""
-    norm = pieces_norm(pieces, norm_type)
+    by_replicas = _grads(pieces)
+    norm = _norm(pieces, by_replicas, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
@@ -94,7 +97,7 @@ def clip_pieces_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     _scale_host_copies(pieces, coef)
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for grads in _grads(pieces).values():
+    for grads in by_replicas.values():
         for grad in grads:
             by_dtype.setdefault((grad.dtype, grad.device), []).append(grad)
     for (dtype, device), grads in by_dtype.items():

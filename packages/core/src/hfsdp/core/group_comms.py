@@ -44,5 +44,8 @@ class GroupComms:
     def all_reduce(self, k: int, tensor: torch.Tensor) -> None:
         comm.all_reduce(tensor, self.groups[k], self.names[k])
 
+    def all_gather(self, k: int, out: torch.Tensor, piece: torch.Tensor) -> None:
+        comm.all_gather(out, piece, self.groups[k], self.names[k])
+
     def all_to_all(self, k: int, out: torch.Tensor, chunks: torch.Tensor) -> None:
         comm.all_to_all(out, chunks, self.groups[k], self.names[k])

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hfsdp.core import collectives as comm
 from hfsdp.core.flat_group import FlatParamGroup
 from hfsdp.core.flat_layout import FlatLayout
 from hfsdp.core.outer_codec import Codec
@@ -133,7 +132,8 @@ class OuterSync:
             due = [f for f in range(self.config.fragments) if self.synced_at[f] != self._steps]
         for fragment in due:
             self.synced_at[fragment] = self._steps
-        states = [s for s in self.states if s.fragment in set(due)]
+        due_now = set(due)
+        states = [s for s in self.states if s.fragment in due_now]
         if not states:
             return []
         with torch.no_grad():
@@ -171,8 +171,7 @@ class OuterSync:
         update = theta if state.anchor is None else theta - state.anchor[state.within]
         mine = state.codec.encode(update.view(1, -1))
         gathered = torch.empty((count, mine.shape[1]), dtype=mine.dtype, device=mine.device)
-        name = group.layout.axes[state.axis].name
-        comm.all_gather(gathered.view(-1), mine.view(-1), group.comms.groups[state.axis], name)
+        group.comms.all_gather(state.axis, gathered.view(-1), mine.view(-1))
         new = state.codec.decode(gathered).reshape(-1)
         if state.anchor is None:
             group.main.copy_(new)
