@@ -495,6 +495,7 @@ def test_diloco_row_and_plan_give_the_outer_axis_no_per_step_collective():
     assert plan.param_gather == (1,) and plan.microbatch_reduce == (1,)
     assert layout.reduced_size == 2 and layout.outer_bytes_per_param() == 8 / 6
     assert layout.outer_bytes_per_param(anchored=True) == 8 / 6 + 4 / 2
+    assert layout.outer_bytes_per_param(momentum=False) == 4 / 6  # plain averaging keeps no momentum buffer
 
 
 def test_diloco_config_rules():

@@ -115,7 +115,7 @@ def _diloco_summary(cfg: LayoutConfig, run: TrainConfig | None) -> dict[str, Any
     mesh, r, n = dense_layout(cfg), cfg.instances, cfg.inner_size
     return {
         **diloco.to_dict(),
-        "outer_state_bytes_per_param": mesh.outer_bytes_per_param(diloco.anchored),
+        "outer_state_bytes_per_param": mesh.outer_bytes_per_param(diloco.anchored, momentum=diloco.momentum > 0),
         "outer_bytes_per_param_per_step": 2 * (r - 1) / r * COMM_BYTES[diloco.comm_dtype] / (n * diloco.sync_every),
     }
 

@@ -136,14 +136,14 @@ class MeshLayout:
         params = param_bytes / s_p if s_p != s_o else 0.0
         return params + grad_bytes / self.shard_factor(State.GRAD) + optim_bytes / s_o
 
-    def outer_bytes_per_param(self, anchored: bool = False) -> float:
-        """The outer optimizer's bytes per parameter on one rank: 8/s_outer (fp32 global weights and momentum)
-        where an axis trains apart, plus 4/s_o for the anchor a compressed outer exchange keeps (`anchored`:
-        the weights of the last outer step, over the inner optimizer's piece); 0 without such an axis."""
+    def outer_bytes_per_param(self, anchored: bool = False, momentum: bool = True) -> float:
+        """The outer optimizer's bytes per parameter on one rank: 8/s_outer (fp32 global weights and momentum; 4
+        without momentum) where an axis trains apart, plus 4/s_o for the anchor a compressed outer exchange keeps
+        (`anchored`: the weights of the last outer step, over the inner optimizer's piece); 0 without such an axis."""
         if not self.independent_axes():
             return 0.0
         anchor = 4 / self.shard_factor(State.OPTIM) if anchored else 0.0
-        return 8 / self.shard_factor(State.OUTER) + anchor
+        return (8 if momentum else 4) / self.shard_factor(State.OUTER) + anchor
 
 
 def dense_layout(cfg: LayoutConfig) -> MeshLayout:
