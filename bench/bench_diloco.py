@@ -71,12 +71,18 @@ def parse_args(argv=None):
     p.add_argument("--eval-rows", type=int, default=64)
     p.add_argument("--out", default="diloco_results.jsonl")
     p.add_argument("--only", nargs="*", help="names of the runs to do (default: the whole sweep)")
+    p.add_argument(
+        "--parallel-seeds",
+        action="store_true",
+        help="run the seeds side by side, each its own group of ranks (a small model leaves the GPU mostly idle)",
+    )
     p.add_argument("--smoke", action="store_true", help="a tiny model, 2 instances, 20 steps, on the CPU")
     for field, default in asdict(Shape()).items():
         if field != "vocab":
             p.add_argument(f"--{field}", type=int, default=default, help=f"the model's {field} (default {default})")
     args = p.parse_args(argv)
     args.shape = Shape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq)
+    args.groups = 1  # groups of ranks sharing the host's cores (one per seed with --parallel-seeds)
     args.runs = [r for r in SWEEP if not args.only or r.name in args.only]
     if args.smoke:
         args.device, args.instances, args.seeds, args.steps, args.rows, args.eval_rows = "cpu", 2, [0], "20", 2, 8
@@ -190,7 +196,7 @@ def rank_main(rank: int, args, data_path: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.instances))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.instances))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.instances * args.groups)))
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -234,8 +240,20 @@ def main(argv=None) -> None:
         data_path = os.path.join(tmp, "data.pt")
         torch.save((train, held), data_path)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        mp.spawn(rank_main, args=(replace_args(args), data_path), nprocs=args.instances, join=True)
+        port = int(os.environ.get("MASTER_PORT", 29500 + os.getpid() % 1000))
+        if not args.parallel_seeds:
+            os.environ["MASTER_PORT"] = str(port)
+            mp.spawn(rank_main, args=(replace_args(args), data_path), nprocs=args.instances, join=True)
+        else:  # one group per seed, each on its own port; every group's rank 0 appends whole lines to --out
+            groups = []
+            for i, seed in enumerate(args.seeds):
+                os.environ["MASTER_PORT"] = str(port + i)
+                group_args = replace_args(args)
+                group_args.seeds, group_args.groups = [seed], len(args.seeds)
+                groups.append(mp.spawn(rank_main, args=(group_args, data_path), nprocs=args.instances, join=False))
+            for group in groups:
+                while not group.join():
+                    pass
     print(f"wrote {args.out}")
 
 

@@ -13,6 +13,9 @@
 #                 predicted first; FSDP2 at that size where it is predicted to fit
 #   o67half       the 6.7B with half offloaded
 #   fsdp2off67    FSDP2 CPUOffloadPolicy at 6.7B (host-memory bound: in the issue it was killed by the OOM killer)
+#   l13           hfsdp at 13.0B (Llama-2-13B's shape, recompute, offload='auto'), alone, with the host's free memory
+#                 sampled every second into OUT/l13-mem.log: why the largest-model search's first try fails
+#   fsdp2big      FSDP2 CPUOffloadPolicy at 11.75B, the largest size hfsdp trains (predicted not to fit the host)
 #   two           2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1 of both 0.95B models, hfsdp and hfsdp+fused+clip vs FSDP2
 # A phase that would not fit in what is left of BUDGET seconds is skipped, and says so; a failed phase does not stop
 # the next. Full logs and JSON stay in OUT_DIR; the summary (bench/perf_summary.py) is printed last.
@@ -79,6 +82,14 @@ for name in $phases; do
         --fsdp2-anyway --fsdp2-timeout-s 90 ;;
     fsdp2off67)
       phase fsdp2off67 90 150 $BENCH $L67 --steps 2 --warmup 1 --engines fsdp2 --offload --out "$out/fsdp2off67.json" ;;
+    l13|fsdp2big)
+      if [ "$name" = l13 ]; then shape="--layers 40"; engine="hfsdp --offload-fraction auto"
+      else shape="--layers 36"; engine="fsdp2 --offload"; fi
+      (while sleep 1; do echo "$(date +%s) $(grep -E 'MemAvailable' /proc/meminfo | tr -s ' ')"; done) >"$out/$name-mem.log" &
+      sampler=$!
+      phase "$name" 60 150 $BENCH $shape --hidden 5120 --ffn 13824 --heads 40 --micro-batch-size 1 --recompute \
+        --steps 2 --warmup 1 --engines $engine --out "$out/$name.json"
+      kill $sampler; dmesg 2>/dev/null | grep -iE "killed process|out of memory" | tail -3 >>"$out/$name.log" ;;
     two)
       gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
       if [ "${gpus:-0}" -ge 2 ] 2>/dev/null; then
