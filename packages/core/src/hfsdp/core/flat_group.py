@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hfsdp.core.flat_layout import FlatLayout
 from hfsdp.core.grad_buffer import GradBuffer
 from hfsdp.core.group_comms import GroupComms
+from hfsdp.core.host_memory import page_locked_empty
 from hfsdp.core.layout import MeshLayout
 from hfsdp.core.main_params import MainParam, build_main_params
 from hfsdp.core.mixed_precision import MixedPrecision
@@ -404,5 +405,5 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _host_empty(numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised host buffer, page-locked when the group lives on a GPU."""
-    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+    """An uninitialised host buffer, page-locked (at its exact size: `host_memory`) when the group lives on a GPU."""
+    return page_locked_empty(numel, dtype) if device.type == "cuda" else torch.empty(numel, dtype=dtype)
