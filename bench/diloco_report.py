@@ -97,7 +97,20 @@ def svg(rows: list[dict], width: int = 640, height: int = 400) -> str:
         "outer-axis MB sent per rank (log)</text>"
     )
     out.append(f'<text x="14" y="{top + 10}" transform="rotate(-90 14 {top + 10})" text-anchor="end">eval loss</text>')
-    colors = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    colors = [
+        "#d62728",
+        "#1f77b4",
+        "#2ca02c",
+        "#9467bd",
+        "#8c564b",
+        "#e377c2",
+        "#7f7f7f",
+        "#bcbd22",
+        "#17becf",
+        "#ff7f0e",
+        "#393b79",
+        "#637939",
+    ]
     for i, (r, x) in enumerate(zip(rows, xs, strict=True)):
         c = colors[i % len(colors)]
         cx, cy = px(x), py(r["eval"])

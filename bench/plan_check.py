@@ -4,6 +4,7 @@ One command (repository root; on the GPU machine after bench/gpu_session.sh's in
 
     python3 bench/plan_check.py OUT_DIR            # H200: the 0.94B megatron GPT and the 0.95B Llama, ~6 minutes
     python3 bench/plan_check.py OUT_DIR --smoke    # CPU, tiny models: the whole pipeline in a minute or two
+    python3 bench/plan_check.py OUT_DIR --compare-only   # anywhere: the table from the JSON already in OUT_DIR
 
 For each model it runs bench/bench_step.py with `--simulate-world 2` and `--simulate-world 8` (rank 0 of the
 world on torch's fake process group: every allocation is the real rank's, no communication) over 3 + 4
@@ -89,6 +90,15 @@ def plan_for(shape, tag: str, world: int, common: dict) -> tuple[int, object]:
     return memory(shape, groups_for(shape, cfg), acts, run).total, (cfg, run)
 
 
+def measure(cmd: list[str], out: Path, stem: str, compare_only: bool) -> int | str:
+    """Run one bench command into OUT/stem.{log,json}, or with `compare_only` only say whether its JSON is there."""
+    if compare_only:
+        return 0 if (out / f"{stem}.json").exists() else "not run"
+    code, seconds = run_logged(cmd, out / f"{stem}.log", timeout=240)
+    print(f"[{stem}] exit {code} in {seconds:.0f} s", flush=True)
+    return code
+
+
 def run_logged(cmd: list[str], log: Path, timeout: int) -> tuple[int, float]:
     began = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -107,6 +117,11 @@ def main(argv=None) -> int:
     p.add_argument("out", help="directory for the logs and JSON")
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU: check the pipeline, not the numbers")
     p.add_argument("--models", default="gpt,llama")
+    p.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="run nothing: compare the bench JSON already in OUT_DIR with the plan (e.g. after a run cut short)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,8 +136,7 @@ def main(argv=None) -> int:
             stem = f"mem-{model}-{world}"
             cmd = [sys.executable, bench, "--simulate-world", str(world), *margs, "--steps", "1", "--warmup", "1"]
             cmd += ["--layouts", layouts, "--engines", "hfsdp", "--out", str(out / f"{stem}.json")]
-            code, seconds = run_logged(cmd, out / f"{stem}.log", timeout=240)
-            print(f"[{stem}] exit {code} in {seconds:.0f} s", flush=True)
+            code = measure(cmd, out, stem, args.compare_only)
             if code or not (out / f"{stem}.json").exists():
                 failures.append(f"{stem}: exit {code}, see {stem}.log")
                 continue
@@ -137,8 +151,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", bench, *margs]
         cmd += ["--steps", "6", "--warmup", "2", "--layouts", "zero3:1x1", "--engines", "hfsdp"]
         cmd += ["--out", str(out / f"{stem}.json")]
-        code, seconds = run_logged(cmd, out / f"{stem}.log", timeout=240)
-        print(f"[{stem}] exit {code} in {seconds:.0f} s", flush=True)
+        code = measure(cmd, out, stem, args.compare_only)
         if code or not (out / f"{stem}.json").exists():
             failures.append(f"{stem}: exit {code}, see {stem}.log")
             continue
