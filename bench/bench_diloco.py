@@ -71,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-rows", type=int, default=64)
     p.add_argument("--out", default="diloco_results.jsonl")
     p.add_argument("--only", nargs="*", help="names of the runs to do (default: the whole sweep)")
+    p.add_argument("--sync-every", type=int, nargs="*", default=[], help="more DiLoCo runs (fp32) at these H")
     p.add_argument(
         "--parallel-seeds",
         action="store_true",
@@ -83,7 +84,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.shape = Shape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq)
     args.groups = 1  # groups of ranks sharing the host's cores (one per seed with --parallel-seeds)
-    args.runs = [r for r in SWEEP if not args.only or r.name in args.only]
+    sweep = SWEEP + [Run(f"DiLoCo H={h}", "diloco", h) for h in args.sync_every if h not in (10, 50, 100, 500)]
+    args.runs = [r for r in sweep if not args.only or r.name in args.only]
     if args.smoke:
         args.device, args.instances, args.seeds, args.steps, args.rows, args.eval_rows = "cpu", 2, [0], "20", 2, 8
         args.shape, args.runs = Shape(hidden=64, layers=2, heads=2, ffn=128, seq=64), SMOKE

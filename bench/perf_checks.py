@@ -1,5 +1,6 @@
 """Correctness first, on the device the timings run on: the FusedAdamW kernel against its torch twin and float64,
-the engine with FusedAdamW and with a share offloaded against hfsdp with torch's AdamW; then the kernel's speed.
+the engine with FusedAdamW and with a share offloaded against hfsdp with torch's AdamW, offload's exact-size
+page-locked buffers (CUDA only); then the kernel's speed.
 
     python bench/perf_checks.py --out OUT/checks.json          # CUDA; on a CPU: TRITON_INTERPRET=1 for the kernel
 
@@ -230,6 +231,49 @@ def engine_checks(device) -> None:
     check("offload='auto' keeps a model that fits on the device", auto["fraction"].fraction == 0.0)
 
 
+def _resident_bytes() -> int:
+    """This process's resident anonymous + shared memory (page-locked memory is one or the other)."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+
+
+def host_memory_checks(device) -> None:
+    """Offload's exact-size page-locked buffers (`hfsdp.core.host_memory`) on a real GPU: locked, asynchronous,
+    the size asked for where torch's pinned allocator takes the next power of two, and freed with their last view."""
+    import gc
+
+    from hfsdp.core.host_memory import page_locked_empty
+
+    numel = 318_767_105  # one 13B-Llama unit's elements: 1.27 GB in fp32, a 2 GiB block from torch's allocator
+    nbytes = numel * 4
+    source = torch.randn(numel, device=device)  # first, so that CUDA's own host memory is in `before`
+    torch.cuda.synchronize()
+    before = _resident_bytes()
+    host = page_locked_empty(numel)
+    check("page_locked_empty: is_pinned()", host.is_pinned())
+    host.copy_(source, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    queued = not done.query()  # a pageable destination would have made the copy synchronous
+    torch.cuda.synchronize()
+    grown = _resident_bytes() - before
+    check("page_locked_empty: a non_blocking copy into it is asynchronous", queued)
+    check("page_locked_empty: resident memory grows by the bytes asked for (within 2%)",
+          abs(grown - nbytes) < 0.02 * nbytes, f"{grown / 2**30:.3f} GiB for {nbytes / 2**30:.3f} GiB")  # fmt: skip
+    check("page_locked_empty: the copy arrives whole", torch.equal(host, source.cpu()))
+    del host
+    gc.collect()
+    freed = grown - (_resident_bytes() - before)
+    check("page_locked_empty: freed with its last view", freed > 0.98 * nbytes, f"{freed / 2**30:.3f} GiB back")
+    before = _resident_bytes()
+    pinned = torch.empty(numel, pin_memory=True)
+    pinned.fill_(0)
+    torch_grown = _resident_bytes() - before
+    print(f"for comparison, torch's pinned allocator took {torch_grown / 2**30:.3f} GiB for it", flush=True)
+    del pinned, source
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -251,7 +295,9 @@ def main(argv=None) -> int:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     timing = None
     try:
-        for name, fn in (("kernel", kernel_checks), ("engine", None if args.skip_engine else engine_checks)):
+        groups = [("kernel", kernel_checks), ("engine", None if args.skip_engine else engine_checks)]
+        groups.append(("host memory", host_memory_checks if device.type == "cuda" else None))
+        for name, fn in groups:
             if fn is None:
                 continue
             try:
