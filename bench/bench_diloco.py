@@ -253,9 +253,14 @@ def main(argv=None) -> None:
                 group_args = replace_args(args)
                 group_args.seeds, group_args.groups = [seed], len(args.seeds)
                 groups.append(mp.spawn(rank_main, args=(group_args, data_path), nprocs=args.instances, join=False))
-            for group in groups:
-                while not group.join():
-                    pass
+            try:
+                for group in groups:
+                    while not group.join():
+                        pass
+            except BaseException:  # one group failed (or Ctrl-C): stop the others rather than wait for them
+                for proc in (proc for group in groups for proc in group.processes if proc.is_alive()):
+                    proc.terminate()
+                raise
     print(f"wrote {args.out}")
 
 
