@@ -4,8 +4,11 @@ At the start: one line with the model's parameter count and the per-rank memory 
 needs, split as `hfsdp plan` splits it. Then the check: a run whose estimate exceeds what a
 rank has (the GPU's memory when training on CUDA; on the CPU, the host's available memory
 shared by the local ranks) is refused with one paragraph saying what it would need and which
-layouts of the same ranks would fit. The estimate counts the model (its states, buffers and
-activations), not the framework's own memory (CUDA context, imported libraries).
+layouts of the same ranks would fit. So is a run whose offloaded optimizer state (16 bytes per
+offloaded element, on every local rank) exceeds the host's available memory: found out at
+fully_shard instead, it would end with the OOM killer after minutes of setup. The estimate counts
+the model (its states, buffers and activations), not the framework's own memory (CUDA context,
+imported libraries).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from hfsdp.cli.plan_inputs import default_mfu, layout_fields, model_shape, step_settings
 from hfsdp.cli.train_config import TrainConfig
 from hfsdp.core.config import Problem
+from hfsdp.core.layout import dense_layout
 from hfsdp.planning.activations import activations
 from hfsdp.planning.candidates import layout_name, plan_layouts
 from hfsdp.planning.cluster import Cluster
@@ -51,12 +55,19 @@ def start_line(cfg: TrainConfig, shape: ModelShape, mem: Memory) -> str:
     )
 
 
-def capacity(cfg: TrainConfig, local_ranks: int) -> tuple[int, str] | None:
-    """Bytes one rank can use and what they are, or None when unknown."""
+def _gpu_total(cfg: TrainConfig) -> int | None:
+    """The memory of the GPU a rank trains on, or None when the run trains on the CPU."""
     import torch
 
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        total = torch.cuda.get_device_properties(0).total_memory
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def capacity(cfg: TrainConfig, local_ranks: int) -> tuple[int, str] | None:
+    """Bytes one rank can use and what they are, or None when unknown."""
+    total = _gpu_total(cfg)
+    if total is not None:
         return total, f"the GPU's {total / GIB:.1f} GiB"
     available = _host_available()
     if available is None:
@@ -87,14 +98,54 @@ def check_build(cfg: TrainConfig, shape: ModelShape, local_ranks: int) -> Proble
     return None
 
 
+def offloaded_share(cfg: TrainConfig, shape: ModelShape) -> float:
+    """The share of the optimizer state `--offload optim` puts in host memory: --offload-fraction, or for auto the
+    engine's own rule (`offload_plan.fraction_for`: the smallest share with which the rest fits in the GPU less
+    its reserve, by the per-element bytes of the layout; whole units are then chosen at fully_shard, so the run's
+    share can be a unit larger). On the CPU, auto offloads nothing, as the engine does."""
+    from hfsdp.core.offload_plan import RESERVE_FRACTION, fraction_for, per_element_bytes
+
+    if cfg.offload_fraction != "auto":
+        return float(cfg.offload_fraction)
+    gpu = _gpu_total(cfg)
+    if gpu is None:
+        return 0.0
+    kept, offloaded = per_element_bytes(dense_layout(cfg.layout), step_settings(cfg, shape).compute_bytes)
+    return fraction_for(shape.params, kept, offloaded, gpu * (1 - RESERVE_FRACTION))
+
+
+def check_host(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: int) -> Problem | None:
+    """With --offload optim: the refusal when the local ranks' offloaded state exceeds the host's available memory
+    (on the CPU the rest of a rank's state lives there too), else None."""
+    if cfg.offload != "optim" or not mem.host:
+        return None
+    available = _host_available()
+    share = offloaded_share(cfg, shape)
+    on_host = share * mem.host
+    per_rank = on_host + (0 if _gpu_total(cfg) is not None else mem.total)
+    if available is None or local_ranks * per_rank <= available:
+        return None
+    asked = "what --offload-fraction auto would offload" if cfg.offload_fraction == "auto" else "--offload-fraction"
+    return Problem(
+        "memory",
+        f"--offload optim keeps {share:.0%} of the optimizer state in host memory ({asked}): {on_host / GIB:.1f} GiB "
+        "per rank (16 bytes per offloaded element: the fp32 main weights, AdamW's two moments and the gradient "
+        f"staged for the CPU step){'' if _gpu_total(cfg) is not None else ' beside the rest of its state'}, "
+        f"{local_ranks * per_rank / GIB:.1f} GiB for the {local_ranks} ranks on this host, which has "
+        f"{available / GIB:.1f} GiB available; offload a smaller share (--offload-fraction), run fewer ranks per "
+        "host, or shard the optimizer over more ranks.",
+    )
+
+
 def check(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: int) -> Problem | None:
-    """The refusal when the model cannot be built, or the estimate exceeds what a rank has, else None."""
+    """The refusal when the model cannot be built, the estimate exceeds what a rank has, or the offloaded state
+    what the host has; else None."""
     built = check_build(cfg, shape, local_ranks)
     if built is not None:
         return built
     have = capacity(cfg, local_ranks)
     if have is None or mem.total <= have[0]:
-        return None
+        return check_host(cfg, mem, shape, local_ranks)
     limit, what = have
     cluster = Cluster(nodes=1, gpus_per_node=cfg.layout.world_size, gpu_memory_gib=limit / GIB)
     rows = plan_layouts(shape, cluster, step_settings(cfg, shape), default_mfu(shape), **layout_fields(cfg))
