@@ -83,8 +83,9 @@ def parse_args(argv=None):
             p.add_argument(f"--{field}", type=int, default=default, help=f"the model's {field} (default {default})")
     args = p.parse_args(argv)
     args.shape = Shape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq)
-    args.groups = 1  # groups of ranks sharing the host's cores (one per seed with --parallel-seeds)
-    sweep = SWEEP + [Run(f"DiLoCo H={h}", "diloco", h) for h in args.sync_every if h not in (10, 50, 100, 500)]
+    args.groups = 1  # groups of ranks sharing the host's cores (one per seed with --parallel-seeds; set in main)
+    extra = [Run(f"DiLoCo H={h}", "diloco", h) for h in args.sync_every]
+    sweep = SWEEP + [r for r in extra if r.name not in {s.name for s in SWEEP}]
     args.runs = [r for r in sweep if not args.only or r.name in args.only]
     if args.smoke:
         args.device, args.instances, args.seeds, args.steps, args.rows, args.eval_rows = "cpu", 2, [0], "20", 2, 8
@@ -243,24 +244,23 @@ def main(argv=None) -> None:
         torch.save((train, held), data_path)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT", 29500 + os.getpid() % 1000))
-        if not args.parallel_seeds:
-            os.environ["MASTER_PORT"] = str(port)
-            mp.spawn(rank_main, args=(replace_args(args), data_path), nprocs=args.instances, join=True)
-        else:  # one group per seed, each on its own port; every group's rank 0 appends whole lines to --out
-            groups = []
-            for i, seed in enumerate(args.seeds):
-                os.environ["MASTER_PORT"] = str(port + i)
-                group_args = replace_args(args)
-                group_args.seeds, group_args.groups = [seed], len(args.seeds)
-                groups.append(mp.spawn(rank_main, args=(group_args, data_path), nprocs=args.instances, join=False))
-            try:
-                for group in groups:
-                    while not group.join():
-                        pass
-            except BaseException:  # one group failed (or Ctrl-C): stop the others rather than wait for them
-                for proc in (proc for group in groups for proc in group.processes if proc.is_alive()):
-                    proc.terminate()
-                raise
+        # One group of ranks for all the seeds, or with --parallel-seeds one per seed, each on its own port; every
+        # group's rank 0 appends whole lines to --out.
+        seed_groups = [[seed] for seed in args.seeds] if args.parallel_seeds else [args.seeds]
+        groups = []
+        for i, seeds in enumerate(seed_groups):
+            os.environ["MASTER_PORT"] = str(port + i)
+            group_args = replace_args(args)
+            group_args.seeds, group_args.groups = seeds, len(seed_groups)
+            groups.append(mp.spawn(rank_main, args=(group_args, data_path), nprocs=args.instances, join=False))
+        try:
+            for group in groups:
+                while not group.join():
+                    pass
+        except BaseException:  # one group failed (or Ctrl-C): stop the others rather than wait for them
+            for proc in (proc for group in groups for proc in group.processes if proc.is_alive()):
+                proc.terminate()
+            raise
     print(f"wrote {args.out}")
 
 

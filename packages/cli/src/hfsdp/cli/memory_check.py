@@ -88,26 +88,27 @@ def check_build(cfg: TrainConfig, shape: ModelShape, local_ranks: int) -> Proble
             f"{whole / GIB:.1f} GiB per rank, {local_ranks * whole / GIB:.1f} GiB for the {local_ranks} ranks on "
             f"this host, which has {available / GIB:.1f} GiB available; use fewer ranks per host, or a smaller model.",
         )
-    have = capacity(cfg, local_ranks)
-    if have is not None and have[1].startswith("the GPU") and whole > have[0]:
+    gpu = _gpu_total(cfg)
+    if gpu is not None and whole > gpu:
         return Problem(
             "memory",
             f"every rank builds the whole model in fp32 and moves it to its GPU before sharding it: "
-            f"{whole / GIB:.1f} GiB, more than {have[1]}; train a smaller model.",
+            f"{whole / GIB:.1f} GiB, more than the GPU's {gpu / GIB:.1f} GiB; train a smaller model.",
         )
     return None
 
 
-def offloaded_share(cfg: TrainConfig, shape: ModelShape) -> float:
+def offloaded_share(cfg: TrainConfig, shape: ModelShape, gpu: int | None = None) -> float:
     """The share of the optimizer state `--offload optim` puts in host memory: --offload-fraction, or for auto the
     engine's own rule (`offload_plan.fraction_for`: the smallest share with which the rest fits in the GPU less
     its reserve, by the per-element bytes of the layout; whole units are then chosen at fully_shard, so the run's
-    share can be a unit larger). On the CPU, auto offloads nothing, as the engine does."""
+    share can be a unit larger). On the CPU, auto offloads nothing, as the engine does. `gpu`: the GPU's memory,
+    if the caller has it (`_gpu_total`)."""
     from hfsdp.core.offload_plan import RESERVE_FRACTION, fraction_for, per_element_bytes
 
     if cfg.offload_fraction != "auto":
         return float(cfg.offload_fraction)
-    gpu = _gpu_total(cfg)
+    gpu = _gpu_total(cfg) if gpu is None else gpu
     if gpu is None:
         return 0.0
     kept, offloaded = per_element_bytes(dense_layout(cfg.layout), step_settings(cfg, shape).compute_bytes)
@@ -119,10 +120,10 @@ def check_host(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: in
     (on the CPU the rest of a rank's state lives there too), else None."""
     if cfg.offload != "optim" or not mem.host:
         return None
-    available = _host_available()
-    share = offloaded_share(cfg, shape)
+    available, gpu = _host_available(), _gpu_total(cfg)
+    share = offloaded_share(cfg, shape, gpu)
     on_host = share * mem.host
-    per_rank = on_host + (0 if _gpu_total(cfg) is not None else mem.total)
+    per_rank = on_host + (0 if gpu is not None else mem.total)
     if available is None or local_ranks * per_rank <= available:
         return None
     asked = "what --offload-fraction auto would offload" if cfg.offload_fraction == "auto" else "--offload-fraction"
@@ -130,7 +131,7 @@ def check_host(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: in
         "memory",
         f"--offload optim keeps {share:.0%} of the optimizer state in host memory ({asked}): {on_host / GIB:.1f} GiB "
         "per rank (16 bytes per offloaded element: the fp32 main weights, AdamW's two moments and the gradient "
-        f"staged for the CPU step){'' if _gpu_total(cfg) is not None else ' beside the rest of its state'}, "
+        f"staged for the CPU step){'' if gpu is not None else ' beside the rest of its state'}, "
         f"{local_ranks * per_rank / GIB:.1f} GiB for the {local_ranks} ranks on this host, which has "
         f"{available / GIB:.1f} GiB available; offload a smaller share (--offload-fraction), run fewer ranks per "
         "host, or shard the optimizer over more ranks.",
