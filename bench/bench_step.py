@@ -700,8 +700,8 @@ def install_phase_timers(timers: CallTimers) -> None:
     timers.wrap(FlatParamGroup, "start_unshard", "hfsdp::start_unshard (all-gather)")
     timers.wrap(GradBuffer, "accumulate", "hfsdp::accumulate grads (copy-in, reductions)")
     timers.wrap(FlatParamGroup, "publish_main_weights", "hfsdp::publish_main_weights (cast, gather)")
-    timers.wrap(ShardedUnit, "_pre_forward", "hfsdp::pre_forward hook", family="hfsdp-hook")
-    timers.wrap(ShardedUnit, "_post_forward", "hfsdp::post_forward hook", family="hfsdp-hook")
+    timers.wrap(ShardedUnit, "pre_forward", "hfsdp::pre_forward hook", family="hfsdp-hook")
+    timers.wrap(ShardedUnit, "post_forward", "hfsdp::post_forward hook", family="hfsdp-hook")
     if FSDPParamGroup is None:
         return
     timers.wrap(FSDPParamGroup, "unshard", "FSDP::unshard (copy-in, all-gather)")

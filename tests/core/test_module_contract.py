@@ -182,6 +182,13 @@ def _habits(rank: int, world: int, layout: str, mode: str, tmp: str) -> dict:
     return out
 
 
+def _model_class(sharded) -> type:
+    """The user's own class under the dynamic one `fully_shard` made (the first in its MRO that hfsdp did not add)."""
+    from hfsdp.core import HFSDPModule
+
+    return next(c for c in type(sharded).__mro__[1:] if c not in HFSDPModule.__mro__)
+
+
 def _generate(layout: str) -> dict:
     """A transformers Llama keeps `config` and `generate`: greedy decoding equals the unsharded model's."""
     from hfsdp.models import hf
@@ -193,7 +200,7 @@ def _generate(layout: str) -> dict:
     with torch.no_grad():
         tokens = sharded.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     return {
-        "class": type(sharded).__mro__[2].__name__,
+        "class": _model_class(sharded).__name__,
         "vocab": sharded.config.vocab_size,
         "tokens": tokens,
         "groups": _decay_groups(sharded),

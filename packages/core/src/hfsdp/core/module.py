@@ -38,10 +38,13 @@ from hfsdp.core.optimizer_hooks import install as install_optimizer_hooks
 from hfsdp.core.outer_config import DiLoCoConfig
 from hfsdp.core.sharding import ATTRIBUTE, Sharding, is_expert_param_default, sharding_of
 from hfsdp.core.state_dict import full_state_dict, load_full_state_dict
+from hfsdp.core.unit import UnitCall
+from hfsdp.core.unit_forward import adopt_compile_wrappers
 
 
-class HFSDPModule:
-    """What a sharded module's class gains: mixed in before the module's own class, as FSDP2's FSDPModule is."""
+class HFSDPModule(UnitCall):
+    """What a sharded module's class gains: mixed in before the module's own class, as FSDP2's FSDPModule is. Its call
+    is the root unit's (`UnitCall`): the root's parameters are gathered around the module's own call."""
 
     def set_microbatch(self, index: int, count: int) -> None:
         """Declare the next backward as microbatch `index` of `count` in this optimizer step (gradient
@@ -154,7 +157,7 @@ def fully_shard(
     """
     if isinstance(module, HFSDPModule):
         raise ValueError(f"{type(module).__name__} is already sharded by hfsdp; call fully_shard once per model.")
-    units = list(units)
+    units = adopt_compile_wrappers(module, list(units))
     check_offload(offload)
     if offload_reserve is not None and (isinstance(offload_reserve, bool) or not isinstance(offload_reserve, int)):
         raise ValueError(f"offload_reserve must be a whole number of bytes (or None), got {offload_reserve!r}")

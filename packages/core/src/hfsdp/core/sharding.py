@@ -47,7 +47,8 @@ from hfsdp.core.outer_sync import OuterSync
 from hfsdp.core.placement_names import State
 from hfsdp.core.step import StepContext, StepPhase
 from hfsdp.core.streams import streams_for
-from hfsdp.core.unit import ShardedUnit
+from hfsdp.core.unit import ShardedUnit, unit_class
+from hfsdp.core.unit_forward import compile_wrapper_message
 
 ATTRIBUTE = "_hfsdp_sharding"
 
@@ -125,12 +126,16 @@ class Sharding:
                     self.step,
                     reshard_after_forward=not is_root or reshard_root_after_forward,
                     input_dtype=mp.param_dtype if is_root else None,
+                    before_forward=self.check_units_in_place if is_root else None,
                 )
             )
+            if not is_root:  # the root's class becomes an `HFSDPModule` in `fully_shard`
+                unit_module.__class__ = unit_class(type(unit_module))
         # Prefetch in execution order: forward runs root, then the units as given; backward the reverse. The
         # root's backward (the loss and the output layer: the step's largest activations and their gradients)
         # prefetches nothing: the last unit's gather starts when its own backward does, as in FSDP2, so it does
         # not sit on top of the step's memory peak (measured on one H200: 98 MiB of a Llama layer).
+        self._unit_places = _places(module, unit_modules[:-1])
         root = self.units[-1]
         order = [root, *self.units[:-1]]
         following = dict(itertools.pairwise(order))
@@ -181,6 +186,19 @@ class Sharding:
             )
             groups.append(group)
         return groups
+
+    def check_units_in_place(self) -> None:
+        """Before each forward: every unit still sits where it was sharded. A unit replaced after `fully_shard` (by
+        `torch.compile(unit)`'s wrapper, say) would run without its parameters gathered or under other names."""
+        for parent, key, unit_module, name in self._unit_places:
+            if parent._modules.get(key) is not unit_module:
+                replaced = parent._modules.get(key)
+                if type(replaced).__name__ == "OptimizedModule":
+                    raise RuntimeError(compile_wrapper_message(f"unit '{name}'"))
+                raise RuntimeError(
+                    f"unit '{name}' was replaced after fully_shard (it is now a {type(replaced).__name__}); hfsdp "
+                    "gathers the parameters of the modules it sharded. Change the model before calling fully_shard."
+                )
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -373,6 +391,17 @@ def _check_diloco(meshes: HybridMeshes, diloco: DiLoCoConfig | None, offload: bo
             "weights, which offload keeps in host memory, out of reach of the device's collectives. Train DiLoCo "
             "with the main weights on the device (offload=False)."
         )
+
+
+def _places(module: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """Where each unit sits in `module`: (parent, key, unit, qualified name); a unit outside the tree has none."""
+    wanted = {id(u) for u in units}
+    places = []
+    for parent_name, parent in module.named_modules():
+        for key, child in parent._modules.items():
+            if child is not None and id(child) in wanted:
+                places.append((parent, key, child, f"{parent_name}.{key}" if parent_name else key))
+    return places
 
 
 def _locations(module: nn.Module) -> dict[int, list[Location]]:
