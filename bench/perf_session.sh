@@ -71,17 +71,21 @@ for name in $phases; do
       phase floor3b 90 240 $BENCH $L3B --steps 6 --warmup 2 --floor --engines "$VARIANTS,fsdp2,model" \
         --out "$out/floor3b.json" ;;
     h67) phase h67 40 150 $BENCH $L67 --steps 4 --warmup 2 --engines hfsdp,hfsdp+fused+clip+prestage --out "$out/h67.json" ;;
-    f67) phase f67 35 150 $BENCH $L67 --steps 4 --warmup 2 --engines fsdp2 --out "$out/f67.json" ;;
+    f67) phase f67 35 150 $BENCH $L67 --steps 4 --warmup 2 --engines fsdp2 --check-against "$out/h67.json" \
+           --out "$out/f67.json" ;;
     o67full)
-      phase o67full 60 150 $BENCH $L67 --steps 2 --warmup 1 --engines hfsdp --offload-fraction 1 --out "$out/o67full.json" ;;
+      phase o67full 60 150 $BENCH $L67 --steps 2 --warmup 1 --engines hfsdp --offload-fraction 1 \
+        --check-against "$out/h67.json" --out "$out/o67full.json" ;;
     o67half)
-      phase o67half 45 120 $BENCH $L67 --steps 3 --warmup 1 --engines hfsdp --offload-fraction 0.5 --out "$out/o67half.json" ;;
+      phase o67half 45 120 $BENCH $L67 --steps 3 --warmup 1 --engines hfsdp --offload-fraction 0.5 \
+        --check-against "$out/h67.json" --out "$out/o67half.json" ;;
     largest)
       budget=$(( $(left) - 10 ))
       phase largest 90 300 python3 bench/largest_model.py --out "$out" --budget-s "$((budget < 290 ? budget : 290))" \
         --fsdp2-anyway --fsdp2-timeout-s 90 ;;
     fsdp2off67)
-      phase fsdp2off67 90 150 $BENCH $L67 --steps 2 --warmup 1 --engines fsdp2 --offload --out "$out/fsdp2off67.json" ;;
+      phase fsdp2off67 90 150 $BENCH $L67 --steps 2 --warmup 1 --engines fsdp2 --offload \
+        --check-against "$out/h67.json" --out "$out/fsdp2off67.json" ;;
     l13|fsdp2big)
       if [ "$name" = l13 ]; then shape="--layers 40"; engine="hfsdp --offload-fraction auto"
       else shape="--layers 36"; engine="fsdp2 --offload"; fi

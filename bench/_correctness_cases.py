@@ -1,0 +1,310 @@
+"""The runs `gpu_correctness.py` compares: one small transformers Llama trained for a few steps by a plain
+single-process reference, by FSDP2 and by hfsdp, each way of compiling, each engine option.
+
+Every engine starts from the same fp32 weights (built on the CPU from one seed), sees the same samples in the
+same microbatches and computes in bf16 from fp32 main weights, with fp32 gradient reductions, torch's fused
+AdamW (or hfsdp's FusedAdamW, on the reference too) and a global-norm clip. The reference is that recipe
+written out in plain PyTorch: a bf16 copy of the model computes, fp32 gradients accumulate outside it, the
+optimizer steps fp32 masters that are cast back after each step. It is what hfsdp does on one rank, so the
+two agree to the rounding of the clip's norm (summed in another order); FSDP2 is the second witness.
+
+A case is (engine, compile style, option); `run_case` returns its per-step losses (the mean over the global
+batch), a digest of its final fp32 weights (bit-identity across runs and processes) and the weights
+themselves on rank 0, on the CPU, for the driver to compare across engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+SEED = 1234
+#: How each style compiles the decoder layers (or, for "model", the whole model); "eager" compiles nothing.
+STYLES = ("eager", "module", "fullgraph", "wrapper", "forward", "cli", "model")
+#: Engine options: "offload" (fp32 state in host memory), "fused" (FusedAdamW, clip before it), "fused_clip_prestage"
+#: (FusedAdamW clipping inside its step and writing the next forward's gather input), "recompute".
+OPTIONS = ("", "offload", "fused", "fused_clip_prestage", "recompute")
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 4
+    hidden: int = 1024
+    heads: int = 16
+    kv_heads: int = 4
+    ffn: int = 2816
+    vocab: int = 8192
+    seq: int = 512
+    micro_batch: int = 4
+    microbatches: int = 2
+    steps: int = 6
+    lr: float = 1e-3
+    clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class Case:
+    engine: str  # "reference" | "fsdp2" | "hfsdp"
+    style: str = "eager"
+    option: str = ""
+    repeat: int = 0  # the how-many-th run of the same case in this process
+
+    @property
+    def name(self) -> str:
+        return "/".join(x for x in (self.engine, self.style, self.option) if x)
+
+    @property
+    def kernels(self) -> str:
+        """Which compiled kernels this case runs: none ("eager"), the layers' ("module": every way of compiling
+        them traces the same graph), or the whole model's ("model")."""
+        return self.style if self.style in ("eager", "model") else "module"
+
+    @property
+    def reference_name(self) -> str:
+        """The reference case this one must agree with: the same kernels (compiled ones round otherwise than eager
+        ones) and the same optimizer kernel; offload and recompute change neither."""
+        return Case("reference", self.kernels, "fused" if self.option.startswith("fused") else "").name
+
+
+def build_llama(shape: Shape, device: torch.device):
+    from transformers import LlamaConfig
+
+    from hfsdp.models import hf
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return hf.build_causal_lm(config, seed=SEED).to(device)
+
+
+def batches(shape: Shape, world: int, rank: int, device: torch.device) -> list[list[tuple]]:
+    """Every step's microbatches for `rank` (chunk m * world + rank of the global batch, as hfsdp splits it)."""
+    from hfsdp.recipes.data import SyntheticTokens, microbatch
+
+    data = SyntheticTokens(shape.vocab, shape.seq, seed=SEED)
+    size = shape.micro_batch * shape.microbatches * world
+    out = []
+    for step in range(shape.steps):
+        batch = data.global_batch(step, size)
+        count = shape.microbatches
+        out.append([tuple(t.to(device) for t in microbatch(batch, i, count, rank, world)) for i in range(count)])
+    return out
+
+
+def compile_units(model, style: str) -> None:
+    """Compile the decoder layers the way `style` names (before sharding; "model" compiles after it)."""
+    from hfsdp.core.unit_forward import compile_units as cli_compile
+
+    layers = model.model.layers
+    if style == "module":
+        for layer in layers:
+            layer.compile()
+    elif style == "fullgraph":
+        for layer in layers:
+            layer.compile(fullgraph=True)
+    elif style == "wrapper":
+        for i in range(len(layers)):
+            layers[i] = torch.compile(layers[i])
+    elif style == "forward":
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward)
+    elif style == "cli":
+        cli_compile(layers)  # what `hfsdp train --compile` does
+
+
+def _loss(model, tokens, labels):
+    from hfsdp.models.hf import causal_lm_loss
+
+    return causal_lm_loss(model, tokens, labels)
+
+
+def _weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(weights[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _adamw(params, shape: Shape, option: str, sanitizer: bool):
+    if option.startswith("fused"):
+        from hfsdp.core import FusedAdamW
+
+        clip = shape.clip if option == "fused_clip_prestage" else None
+        prestage = option == "fused_clip_prestage"
+        # Under the sanitizer the torch path: a Triton kernel is invisible to it (the same ordering, seen op by op).
+        backend = "torch" if sanitizer else "auto"
+        return FusedAdamW(params, lr=shape.lr, weight_decay=0.1, max_grad_norm=clip, prestage_gathers=prestage,
+                          backend=backend)  # fmt: skip
+    return torch.optim.AdamW(params, lr=shape.lr, weight_decay=0.1, fused=True)
+
+
+class Reference:
+    """The recipe in plain PyTorch on one process: a bf16 model computes, fp32 masters are stepped."""
+
+    def __init__(self, case: Case, shape: Shape, device, sanitizer: bool):
+        self.shape = shape
+        fp32 = build_llama(shape, device)
+        self.masters = {n: p.detach().clone() for n, p in fp32.named_parameters()}
+        self.model = copy.deepcopy(fp32)
+        del fp32
+        for p in self.model.parameters():  # the parameters only: buffers (RoPE's inv_freq) stay fp32, as in hfsdp
+            p.data = p.data.to(torch.bfloat16)
+        compile_units(self.model, case.style)
+        if case.style == "model":
+            self.model.compile()
+        self.params = dict(self.model.named_parameters())
+        self.opt = _adamw(list(self.masters.values()), shape, case.option, sanitizer)
+
+    def step(self, microbatches) -> torch.Tensor:
+        grads = {n: torch.zeros_like(m) for n, m in self.masters.items()}
+        total = torch.zeros((), device=next(iter(grads.values())).device)
+        for tokens, labels in microbatches:
+            loss = _loss(self.model, tokens, labels)
+            loss.backward()
+            for n, p in self.params.items():
+                grads[n].add_(p.grad.float())  # fp32 accumulation, as hfsdp's gradient buffer
+                p.grad = None
+            total += loss.detach()
+        for n, m in self.masters.items():
+            m.grad = grads[n].mul_(1.0 / len(microbatches))
+        if self.shape.clip:
+            torch.nn.utils.clip_grad_norm_(list(self.masters.values()), self.shape.clip, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.masters[n])
+        return total / len(microbatches)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: m.detach().to("cpu", copy=True) for n, m in self.masters.items()}
+
+
+class Fsdp2:
+    """FSDP2 on the same mesh shape: every decoder layer and the root, bf16 compute, fp32 reductions."""
+
+    def __init__(self, case: Case, shape: Shape, device, sanitizer: bool):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.shape = shape
+        model = build_llama(shape, device)
+        compile_units(model, case.style)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if case.style == "model":
+            model.compile()
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=shape.lr, weight_decay=0.1, fused=True)
+
+    def step(self, microbatches) -> torch.Tensor:
+        total = None
+        for tokens, labels in microbatches:
+            loss = _loss(self.model, tokens, labels)
+            (loss / len(microbatches)).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self.shape.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.shape.clip, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total / len(microbatches)
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.model, options=options)
+        return {n.replace("._orig_mod", ""): t.float() for n, t in full.items()} if dist.get_rank() == 0 else None
+
+
+class Hfsdp:
+    """hfsdp's `fully_shard` with the case's option, its decoder layers the units."""
+
+    def __init__(self, case: Case, shape: Shape, device, sanitizer: bool):
+        from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard
+        from hfsdp.core.unit_forward import recompute
+
+        self.shape, self.option = shape, case.option
+        model = build_llama(shape, device)
+        compile_units(model, case.style)
+        if case.option == "recompute":
+            recompute(model.model.layers)
+        cfg = LayoutConfig(world_size=dist.get_world_size())
+        self.model = fully_shard(
+            model,
+            cfg,
+            build_meshes(cfg, device.type),
+            units=model.model.layers,
+            mp=MixedPrecision(param_dtype=torch.bfloat16),
+            offload=case.option == "offload",
+        )
+        if case.style == "model":
+            self.model.compile()
+        self.opt = _adamw(self.model.parameters(), shape, case.option, sanitizer)
+
+    def step(self, microbatches) -> torch.Tensor:
+        total = None
+        for index, (tokens, labels) in enumerate(microbatches):
+            self.model.set_microbatch(index, len(microbatches))
+            loss = _loss(self.model, tokens, labels)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self.shape.clip and self.option != "fused_clip_prestage":
+            self.model.clip_grad_norm_(self.shape.clip)
+        self.opt.step()
+        self.opt.zero_grad()
+        return total / len(microbatches)
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        full = self.model.state_dict()  # collective; whole on rank 0, on the CPU
+        return {n: t.float() for n, t in full.items()} if dist.get_rank() == 0 else None
+
+
+ENGINES = {"reference": Reference, "fsdp2": Fsdp2, "hfsdp": Hfsdp}
+
+
+def run_case(case: Case, shape: Shape, device, sanitizer: bool = False) -> dict:
+    """Train `case` for `shape.steps` steps: losses, wall time, final weights (rank 0) and their digest."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if case.engine == "reference" and world > 1:
+        raise ValueError("the reference runs on one process: pass it only with --nproc 1 (rank 0 alone)")
+    torch._dynamo.reset()
+    began = time.perf_counter()
+    engine = ENGINES[case.engine](case, shape, device, sanitizer)
+    losses = []
+    for microbatches in batches(shape, world, rank, device):
+        loss = engine.step(microbatches)
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    weights = engine.weights()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - began
+    del engine
+    return {
+        "case": case.name,
+        "repeat": case.repeat,
+        "losses": losses,
+        "digest": _weights_digest(weights) if weights is not None else None,
+        "weights": weights,
+        "seconds": seconds,
+    }

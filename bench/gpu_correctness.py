@@ -1,0 +1,362 @@
+"""Is the engine correct on a GPU? Determinism, agreement with a plain reference and FSDP2, and the CUDA stream
+sanitizer, over every way of compiling and every engine option, in one call.
+
+    python bench/gpu_correctness.py OUT_DIR                     # one GPU: every check, ~4 minutes on an H200
+    python bench/gpu_correctness.py OUT_DIR --nproc 2           # more GPUs: the same cases sharded over them
+    python bench/gpu_correctness.py OUT_DIR --device cpu --small --styles eager,module --options fused
+
+Run it after every change that touches streams, hooks, offload or kernels. It trains a small transformers Llama
+(`_correctness_cases.py`) for a few steps at a learning rate where the loss moves, in these passes, each its
+own process (run side by side on a GPU):
+
+- main: the plain single-process reference (eager, each compile style's kernels, FusedAdamW), FSDP2, and every
+  hfsdp case twice;
+- second: every hfsdp case once more, in a fresh process;
+- sanitizer: a few steps of each path under PyTorch's CUDA stream sanitizer (`TORCH_CUDA_SANITIZER=1`), which
+  reports any kernel that touches memory another stream may still be using without an event between them. It
+  sees only kernels launched through PyTorch's dispatcher: Triton kernels (compiled graphs, FusedAdamW's kernel;
+  the sanitizer pass steps FusedAdamW on its torch path instead) and NCCL's are invisible to it, and are checked
+  by determinism;
+- baseline (`--baseline DIR`, a checkout of an earlier engine): a few hfsdp cases of that engine, to show a defect
+  before its fix in the same report.
+
+What passes (`report.md` says for each case):
+- determinism: both runs in one process and the run in the second process give the same losses and the same
+  final weights, bit for bit (sha256 of every fp32 weight). The passes run with deterministic algorithms
+  (`torch.use_deterministic_algorithms(True, warn_only=True)`; flash attention's backward otherwise sums with
+  atomics) and any op that warned it has no deterministic implementation is listed;
+- agreement: hfsdp's losses within LOSS_RTOL of the reference's of the same compile style and optimizer kernel
+  (and of FSDP2's where FSDP2 has the style), and its final weights within WEIGHT_RTOL. The reference is the same
+  arithmetic as hfsdp on one rank, except the clip's norm, summed in another order, and offload's CPU AdamW; the
+  defect this script was written for (hooks traced into a compiled graph) moved the second step's loss by 6e-4 to
+  1.2e-3, six to twelve times LOSS_RTOL;
+- sanitizer: no race reported, each case completed.
+Compile noise (a compiled case against the eager reference) is reported beside, not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import asdict, replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from _correctness_cases import OPTIONS, STYLES, Case, Shape  # noqa: E402
+
+LOSS_RTOL = 1e-4
+WEIGHT_RTOL = 1e-3
+SANITIZER_STEPS = 2
+SRC = [os.path.join(ROOT, "packages", p, "src") for p in ("core", "ckpt", "cli")]
+
+
+# -- which cases ---------------------------------------------------------------------------------
+
+
+def hfsdp_cases(styles, options) -> list[Case]:
+    """Every compile style without options, every option eagerly, and recompute under `module.compile()`."""
+    cases = [Case("hfsdp", s) for s in styles]
+    cases += [Case("hfsdp", "eager", o) for o in options]
+    if "module" in styles and "recompute" in options:
+        cases.append(Case("hfsdp", "module", "recompute"))
+    return cases
+
+
+def plan(args) -> dict[str, list[Case]]:
+    hfsdp = hfsdp_cases(args.styles, args.options)
+    main = []
+    if args.nproc == 1:  # the reference is one process; with more ranks FSDP2 is the witness
+        refs = sorted({c.reference_name for c in hfsdp}, key=lambda n: (n.count("/"), n))
+        main += [Case("reference", *[*n.split("/")[1:], ""][:2]) for n in refs]
+        main.append(Case("reference", repeat=1))
+    main += [Case("fsdp2", s) for s in ("eager", "module", "model") if s in args.styles]
+    main += [replace(c, repeat=r) for c in hfsdp for r in (0, 1)]
+    passes = {"main": main, "second": hfsdp}
+    if args.sanitizer:
+        sanitized = [c for c in hfsdp if c.style in ("eager", "module")]
+        passes["sanitizer"] = ([Case("reference")] if args.nproc == 1 else []) + sanitized
+    if args.baseline:
+        passes["baseline"] = [Case("hfsdp"), Case("hfsdp", "module"), Case("hfsdp", "module", repeat=1)]
+        passes["baseline"] += [Case("hfsdp", "forward")]
+    return passes
+
+
+# -- the worker (one pass, under torchrun) -------------------------------------------------------
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from _correctness_cases import run_case
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    shape = Shape(**json.loads(args.shape))
+    sanitizer = args.worker == "sanitizer"
+    if sanitizer:
+        shape = replace(shape, steps=SANITIZER_STEPS)
+    cases = [Case(**c) for c in json.loads(args.cases)]
+    kept: dict[str, dict] = {}  # reference and FSDP2 weights, for the cases after them (rank 0)
+    results, warned = [], set()
+    for case in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = run_case(case, shape, device, sanitizer)
+                result["error"] = None
+            except Exception as err:  # a failing case must not hide the others (one rank: nothing to desync)
+                if dist.get_world_size() > 1:
+                    raise
+                text = "".join(traceback.format_exception_only(err)).strip()
+                result = {"case": case.name, "repeat": case.repeat, "error": text[-4000:], "weights": None}
+                result["traceback"] = traceback.format_exc()[-4000:]
+        warned.update(str(w.message)[:300] for w in caught if "determinis" in str(w.message))
+        weights = result.pop("weights", None)
+        if dist.get_rank() == 0 and weights is not None:
+            result["weights_rel"] = {name: _rel(weights, ref) for name, ref in kept.items()}
+            if case.engine != "hfsdp" and case.repeat == 0:
+                kept[case.name] = weights
+        results.append(result)
+        if dist.get_rank() == 0:
+            status = result["error"] or " ".join(f"{x:.6f}" for x in result["losses"])
+            print(f"[{args.worker}] {case.name} #{case.repeat}: {status}", flush=True)
+        del weights
+    if dist.get_rank() == 0:
+        record = {"pass": args.worker, "results": results, "nondeterministic_ops": sorted(warned)}
+        record["env"] = {"torch": torch.__version__, "python": platform.python_version()}
+        if device.type == "cuda":
+            record["env"]["gpu"] = torch.cuda.get_device_name(device)
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+def _rel(a: dict, b: dict) -> float:
+    """‖a − b‖ / ‖b‖ over every weight (names both have; a missing name is an infinite difference)."""
+    if set(a) != set(b):
+        return math.inf
+    num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
+    den = sum(float(b[n].double().pow(2).sum()) for n in b)
+    return math.sqrt(num / den)
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+
+def launch(name: str, cases: list[Case], args, logs: str, baseline: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    env["PYTHONPATH"] = os.pathsep.join(([os.path.join(baseline, "packages", "core", "src")] if baseline else []) + SRC)
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(logs, f"inductor-{name}")  # a cold cache: compile it all anew
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    if name == "sanitizer":
+        env["TORCH_CUDA_SANITIZER"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    command += [os.path.abspath(__file__), "--worker", name, "--device", args.device, "--json"]
+    command += [os.path.join(logs, f"{name}.json"), "--shape", json.dumps(asdict(args.shape)), "--cases"]
+    command += [json.dumps([asdict(c) for c in cases])]
+    with open(os.path.join(logs, f"{name}.log"), "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def drive(args) -> int:
+    logs = os.path.join(args.out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    passes = plan(args)
+    began = time.perf_counter()
+    codes = {}
+    order = list(passes)
+    while order:  # side by side on a GPU (they share it, which varies the timing: races show); in turn on a CPU
+        batch = order if args.device == "cuda" else order[:1]
+        procs = {n: launch(n, passes[n], args, logs, args.baseline if n == "baseline" else None) for n in batch}
+        for name, proc in procs.items():
+            codes[name] = proc.wait()
+        order = order[len(batch) :]
+    seconds = time.perf_counter() - began
+    records = {}
+    for name in passes:
+        path = os.path.join(logs, f"{name}.json")
+        records[name] = {"results": [], "missing": True}
+        if os.path.exists(path):
+            with open(path) as f:
+                records[name] = json.load(f)
+    verdicts = judge(records, passes)
+    text = report(records, verdicts, args, seconds, codes)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"records": records, "verdicts": verdicts, "exit_codes": codes, "seconds": seconds}, f, indent=1)
+    print(text)
+    failed = [v for v in verdicts if not v["ok"] and v["counts"]]
+    return 1 if failed or any(codes[n] for n in codes if n != "baseline") else 0
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    if not a or not b or len(a) != len(b):
+        return math.inf
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def judge(records: dict, passes: dict) -> list[dict]:
+    """One verdict per (check, case): determinism, agreement, the sanitizer, the baseline's (which does not count)."""
+    by = {p: {(r["case"], r["repeat"]): r for r in rec["results"]} for p, rec in records.items()}
+    main = by.get("main", {})
+    verdicts = []
+
+    def add(check, case, ok, detail, counts=True):
+        verdicts.append({"check": check, "case": case, "ok": bool(ok), "detail": detail, "counts": counts})
+
+    for case in passes["main"]:
+        r = main.get((case.name, case.repeat))
+        if r is None or r.get("error"):
+            add("ran", case.name, False, (r or {}).get("error") or "no result (the pass failed: see its log)")
+    for case in {c.name: c for c in passes["main"] if c.engine == "hfsdp" or c.repeat == 1}.values():
+        first, again = main.get((case.name, 0)), main.get((case.name, 1))
+        if first and again and not first.get("error") and not again.get("error"):
+            same = first["losses"] == again["losses"] and first["digest"] == again["digest"]
+            add("deterministic in one process", case.name, same, _difference(first, again))
+        second = by.get("second", {}).get((case.name, 0))
+        if case.engine == "hfsdp" and first and not first.get("error"):
+            if second is None or second.get("error"):
+                add("deterministic across processes", case.name, False, (second or {}).get("error") or "no run")
+            else:
+                same = first["losses"] == second["losses"] and first["digest"] == second["digest"]
+                add("deterministic across processes", case.name, same, _difference(first, second))
+        if case.engine == "hfsdp" and first and not first.get("error"):
+            for witness in (case.reference_name, Case("fsdp2", case.kernels).name):
+                other = main.get((witness, 0))
+                if other is None or other.get("error") or (witness.startswith("fsdp2") and case.option):
+                    continue
+                loss = _max_rel(first["losses"], other["losses"])
+                weights = first.get("weights_rel", {}).get(witness, math.inf)
+                ok = loss <= LOSS_RTOL and weights <= WEIGHT_RTOL
+                add(f"agrees with {witness.split('/')[0]}", case.name, ok, f"loss {loss:.2e}, weights {weights:.2e}")
+    for name, r in by.get("sanitizer", {}).items():
+        ok = not r.get("error")
+        add("stream sanitizer", name[0], ok, "no race reported" if ok else r["error"][:600])
+    for name, r in by.get("baseline", {}).items():
+        style = name[0].split("/")[1]
+        ref = main.get((Case("reference", "eager" if style == "eager" else "module").name, 0))
+        detail = "error: " + r["error"][:200] if r.get("error") else " ".join(f"{x:.5f}" for x in r["losses"])
+        if ref and not r.get("error"):
+            detail += f"; vs reference {_max_rel(r['losses'], ref['losses']):.2e}"
+        add(f"baseline run {name[1]}", name[0], not r.get("error"), detail, counts=False)
+    return verdicts
+
+
+def _difference(a: dict, b: dict) -> str:
+    if a["losses"] == b["losses"] and a["digest"] == b["digest"]:
+        return "bit-identical losses and weights"
+    steps = [i + 1 for i, (x, y) in enumerate(zip(a["losses"], b["losses"], strict=True)) if x != y]
+    return f"losses differ at steps {steps or 'none'}; weights {'equal' if a['digest'] == b['digest'] else 'differ'}"
+
+
+def report(records: dict, verdicts: list[dict], args, seconds: float, codes: dict) -> str:
+    env = next((r.get("env") for r in records.values() if r.get("env")), {})
+    lines = [
+        "# GPU correctness",
+        "",
+        f"`{' '.join(sys.argv)}` — {env.get('gpu', args.device)}, torch {env.get('torch', '?')}, "
+        f"{args.nproc} rank(s), {seconds:.0f} s in all; passes' exit codes {codes}.",
+        f"Model: {asdict(args.shape)}. Tolerances: loss {LOSS_RTOL:g} relative, weights {WEIGHT_RTOL:g} (‖Δ‖/‖ref‖).",
+        "",
+        "## Losses",
+        "",
+    ]
+    main = records.get("main", {}).get("results", [])
+    eager = next((r for r in main if r["case"] == "reference" and r["repeat"] == 0 and not r.get("error")), None)
+    steps = len(next((r["losses"] for r in main if r.get("losses")), []))
+    header = ["case", "run"] + [f"step {i + 1}" for i in range(steps)] + ["vs eager reference (compile noise)"]
+    rows = []
+    for pass_name in ("main", "second", "baseline"):
+        for r in records.get(pass_name, {}).get("results", []):
+            label = f"{pass_name} #{r['repeat']}"
+            if r.get("error"):
+                rows.append([r["case"], label, "error: " + r["error"][:120]] + [""] * steps)
+                continue
+            noise = f"{_max_rel(r['losses'], eager['losses']):.1e}" if eager else ""
+            rows.append([r["case"], label] + [f"{x:.6f}" for x in r["losses"]] + [noise])
+    lines += [*_table(header, rows), "", "## Checks", ""]
+    crow = [[v["check"], v["case"], "ok" if v["ok"] else "**FAIL**", v["detail"]] for v in verdicts if v["counts"]]
+    lines += _table(["check", "case", "", "detail"], crow)
+    base = [v for v in verdicts if not v["counts"]]
+    if base:
+        lines += ["", f"## Baseline engine ({args.baseline}), not judged", ""]
+        lines += _table(["run", "case", "", "losses"], [[v["check"], v["case"], "", v["detail"]] for v in base])
+    ops = sorted({op for r in records.values() for op in r.get("nondeterministic_ops", [])})
+    lines += ["", "## Ops that warned they have no deterministic implementation", ""]
+    lines += [f"- {op}" for op in ops] or ["- none"]
+    bad = [v for v in verdicts if v["counts"] and not v["ok"]]
+    lines += [
+        "",
+        f"**{'PASS' if not bad else 'FAIL'}**: {len(bad)} of {sum(v['counts'] for v in verdicts)} checks failed.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _table(header, rows) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", help="output directory (report.md, results.json, logs/)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks, one per GPU (default 1)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--styles", default=",".join(STYLES), help=f"compile styles, from {', '.join(STYLES)}")
+    p.add_argument("--options", default=",".join(o for o in OPTIONS if o), help="engine options")
+    p.add_argument("--small", action="store_true", help="a tiny model (to try the script on a CPU)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6)")
+    p.add_argument("--no-sanitizer", dest="sanitizer", action="store_false")
+    p.add_argument("--baseline", default=None, help="a checkout of an earlier engine to run a few cases of")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cases", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    if not args.out:
+        p.error("give an output directory")
+    args.styles = [s for s in args.styles.split(",") if s]
+    args.options = [o for o in args.options.split(",") if o]
+    unknown = [s for s in args.styles if s not in STYLES] + [o for o in args.options if o not in OPTIONS]
+    if unknown or "eager" not in args.styles:
+        p.error(f"unknown styles/options {unknown} (styles {STYLES}, options {OPTIONS[1:]}); styles need 'eager'")
+    if args.device == "cpu":
+        args.sanitizer = False  # the CUDA stream sanitizer has nothing to watch on a CPU
+    shape = (
+        Shape(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32, micro_batch=2)
+        if args.small
+        else Shape()
+    )
+    args.shape = replace(shape, steps=args.steps) if args.steps else shape
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return worker(args) if args.worker else drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
