@@ -10,7 +10,7 @@ two agree to the rounding of the clip's norm (summed in another order); FSDP2 is
 
 A case is (engine, compile style, option); `run_case` returns its per-step losses (the mean over the global
 batch), a digest of its final fp32 weights (bit-identity across runs and processes) and the weights
-themselves on rank 0, on the CPU, for the driver to compare across engines.
+themselves on rank 0 (on the device with one rank), for the worker to compare across engines.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ OPTIONS = ("", "offload", "fused", "fused_clip_prestage", "recompute")
 
 @dataclass(frozen=True)
 class Shape:
-    layers: int = 4
-    hidden: int = 1024
+    """The model and run of the issue that found the compile defect: a Llama of 8 layers, hidden 2048."""
+
+    layers: int = 8
+    hidden: int = 2048
     heads: int = 16
-    kv_heads: int = 4
-    ffn: int = 2816
-    vocab: int = 8192
-    seq: int = 512
+    kv_heads: int = 16
+    ffn: int = 5632
+    vocab: int = 32000
+    seq: int = 1024
     micro_batch: int = 4
     microbatches: int = 2
     steps: int = 6
@@ -87,7 +89,7 @@ def build_llama(shape: Shape, device: torch.device):
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    return hf.build_causal_lm(config, seed=SEED).to(device)
+    return hf.build_causal_lm(config, seed=SEED, device=device)  # on the device: the same weights in every process
 
 
 def batches(shape: Shape, world: int, rank: int, device: torch.device) -> list[list[tuple]]:
@@ -132,10 +134,15 @@ def _loss(model, tokens, labels):
 
 
 def _weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """A checksum of every bit of `weights`, computed where they are: each fp32 weight's bits as an integer, summed
+    with a position-dependent odd multiplier (any change of one element changes it), then the names and sums
+    hashed. Not a cryptographic hash; a bit-identity test between runs."""
     h = hashlib.sha256()
     for name in sorted(weights):
-        h.update(name.encode())
-        h.update(weights[name].contiguous().view(torch.uint8).numpy().tobytes())
+        bits = weights[name].detach().contiguous().view(-1).view(torch.int32).to(torch.int64)
+        position = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
+        mixed = bits * (position * 2654435761 % 4294967291 * 2 + 1)
+        h.update(f"{name}:{int(mixed.sum())}:{int(bits.sum())};".encode())
     return h.hexdigest()
 
 
@@ -191,7 +198,7 @@ class Reference:
         return total / len(microbatches)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {n: m.detach().to("cpu", copy=True) for n, m in self.masters.items()}
+        return {n: m.detach() for n, m in self.masters.items()}
 
 
 class Fsdp2:
@@ -229,6 +236,8 @@ class Fsdp2:
     def weights(self) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if dist.get_world_size() == 1:  # one rank: the local shards are whole, and stay on the device
+            return {n: p.to_local().detach() for n, p in self.model.named_parameters()}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.model, options=options)
         return {n.replace("._orig_mod", ""): t.float() for n, t in full.items()} if dist.get_rank() == 0 else None
@@ -273,6 +282,8 @@ class Hfsdp:
         return total / len(microbatches)
 
     def weights(self) -> dict[str, torch.Tensor] | None:
+        if dist.get_world_size() == 1:  # one rank: the main params are whole (on the host with offload)
+            return {n: p.detach() for n, p in self.model.named_parameters()}
         full = self.model.state_dict()  # collective; whole on rank 0, on the CPU
         return {n: t.float() for n, t in full.items()} if dist.get_rank() == 0 else None
 

@@ -1311,7 +1311,8 @@ def run_single_device(kind, args, device, rank, world, shape, compute_dtype, tim
     from hfsdp.core.config import LayoutConfig
     from hfsdp.models.megatron.adapter import initialize_parallel
 
-    initialize_parallel(LayoutConfig(world_size=world))  # collective: every rank builds megatron-core's groups
+    if args.model == "gpt":  # collective: every rank builds megatron-core's groups (a Llama needs none)
+        initialize_parallel(LayoutConfig(world_size=world))
     out = []
     if rank == 0:
         per_rank = (args.global_batch_size or args.micro_batch_size * world) // world  # samples per rank and step

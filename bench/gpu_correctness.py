@@ -100,6 +100,9 @@ def worker(args) -> int:
     from _correctness_cases import run_case
 
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # cuDNN's attention backward (what SDPA picks on an H200) has no deterministic mode under warn_only: take flash
+    # attention's, which sums in a fixed order when deterministic algorithms are on. Every engine runs the same.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -132,7 +135,7 @@ def worker(args) -> int:
         if dist.get_rank() == 0 and weights is not None:
             result["weights_rel"] = {name: _rel(weights, ref) for name, ref in kept.items()}
             if case.engine != "hfsdp" and case.repeat == 0:
-                kept[case.name] = weights
+                kept[case.name] = {n: t.to(device, copy=True) for n, t in weights.items()}
         results.append(result)
         if dist.get_rank() == 0:
             status = result["error"] or " ".join(f"{x:.6f}" for x in result["losses"])
@@ -153,7 +156,7 @@ def _rel(a: dict, b: dict) -> float:
     """‖a − b‖ / ‖b‖ over every weight (names both have; a missing name is an infinite difference)."""
     if set(a) != set(b):
         return math.inf
-    num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
+    num = sum(float((a[n].to(b[n].device).double() - b[n].double()).pow(2).sum()) for n in b)
     den = sum(float(b[n].double().pow(2).sum()) for n in b)
     return math.sqrt(num / den)
 
