@@ -67,6 +67,20 @@ class Case:
         return self.style if self.style in ("eager", "model") else "module"
 
     @property
+    def exact(self) -> bool:
+        """Whether the case runs the reference's arithmetic op for op (it may differ only in the order of a few
+        sums), or rounds otherwise by design: offload steps AdamW on the CPU, FusedAdamW is its own kernel."""
+        return self.option not in ("offload", "fused", "fused_clip_prestage")
+
+    @property
+    def witnesses(self) -> list[str]:
+        """The cases this one is checked against: the reference of the same kernels and FSDP2's where FSDP2 runs
+        them. A compiled whole model has FSDP2 alone: the plain model compiles its root (embedding, norm, head)
+        into one graph, which hfsdp's and FSDP2's root hooks break into several, fused otherwise."""
+        fsdp2 = [] if self.option else [Case("fsdp2", self.kernels).name]
+        return fsdp2 if self.style == "model" else [self.reference_name, *fsdp2]
+
+    @property
     def reference_name(self) -> str:
         """The reference case this one must agree with: the same kernels (compiled ones round otherwise than eager
         ones) and the same optimizer kernel; offload and recompute change neither."""

@@ -25,11 +25,11 @@ What passes (`report.md` says for each case):
   final weights, bit for bit (sha256 of every fp32 weight). The passes run with deterministic algorithms
   (`torch.use_deterministic_algorithms(True)`: attention's backward otherwise sums with atomics, and with
   `warn_only=True` it still does); an op with no deterministic implementation fails its case, and the report says;
-- agreement: hfsdp's losses within LOSS_RTOL of the reference's of the same compile style and optimizer kernel
-  (and of FSDP2's where FSDP2 has the style), and its final weights within WEIGHT_RTOL. The reference is the same
-  arithmetic as hfsdp on one rank, except the clip's norm, summed in another order, and offload's CPU AdamW; the
-  defect this script was written for (hooks traced into a compiled graph) moved the second step's loss by 6e-4 to
-  1.2e-3, six to twelve times LOSS_RTOL;
+- agreement: the first step's loss (a forward from the same weights through the same kernels) equal to the
+  witness's bit for bit, and every step's loss and the final weights within EXACT_RTOL of it, or ROUNDING_RTOL for
+  a case that rounds otherwise by design (see the constants for what was measured). The witnesses are the
+  reference of the same kernels and FSDP2 (`Case.witnesses`); the defect this script was written for (hooks
+  traced into a compiled graph) moved the first step's loss by up to 2.6e-2;
 - sanitizer: no race reported, each case completed.
 Compile noise (a compiled case against the eager reference) is reported beside, not judged.
 """
@@ -54,8 +54,15 @@ sys.path.insert(0, HERE)
 
 from _correctness_cases import OPTIONS, STYLES, Case, Shape  # noqa: E402
 
-LOSS_RTOL = 1e-4
-WEIGHT_RTOL = 1e-3
+#: (loss, weights) tolerances, relative, over every step; weights as ‖Δ‖/‖witness‖. Measured on one H200 (torch
+#: 2.11, docs/results/h200-2026-12-02-correctness-3): the reference's own arithmetic (eager, each compile style,
+#: recompute) came out bit-identical in hfsdp eager and 1.3e-6 / 1.4e-4 compiled (a parameter that is a view into
+#: a flat buffer can get another kernel variant); a case that rounds otherwise by design (offload's CPU AdamW,
+#: FusedAdamW) is held to the spread between two correct optimizers on the same plain reference, torch's AdamW
+#: and FusedAdamW: 1.4e-4 / 3.4e-3. The defect this script was written for moved the first step's loss by up to
+#: 2.6e-2 and was not deterministic.
+EXACT_RTOL = (2e-5, 1e-3)
+ROUNDING_RTOL = (5e-4, 1e-2)
 SANITIZER_STEPS = 2
 SRC = [os.path.join(ROOT, "packages", p, "src") for p in ("core", "ckpt", "cli")]
 
@@ -184,6 +191,10 @@ def drive(args) -> int:
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
     passes = plan(args)
+    if args.rejudge:
+        with open(args.rejudge) as f:
+            earlier = json.load(f)
+        return _conclude(args, passes, earlier["records"], earlier["seconds"], earlier["exit_codes"])
     began = time.perf_counter()
     codes = {}
     order = list(passes)
@@ -201,6 +212,10 @@ def drive(args) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 records[name] = json.load(f)
+    return _conclude(args, passes, records, seconds, codes)
+
+
+def _conclude(args, passes, records, seconds, codes) -> int:
     verdicts = judge(records, passes)
     text = report(records, verdicts, args, seconds, codes)
     with open(os.path.join(args.out, "report.md"), "w") as f:
@@ -244,14 +259,18 @@ def judge(records: dict, passes: dict) -> list[dict]:
                 same = first["losses"] == second["losses"] and first["digest"] == second["digest"]
                 add("deterministic across processes", case.name, same, _difference(first, second))
         if case.engine == "hfsdp" and first and not first.get("error"):
-            for witness in (case.reference_name, Case("fsdp2", case.kernels).name):
+            loss_rtol, weight_rtol = EXACT_RTOL if case.exact else ROUNDING_RTOL
+            for witness in case.witnesses:
                 other = main.get((witness, 0))
-                if other is None or other.get("error") or (witness.startswith("fsdp2") and case.option):
+                if other is None or other.get("error"):
                     continue
+                same_start = first["losses"][0] == other["losses"][0]
                 loss = _max_rel(first["losses"], other["losses"])
                 weights = first.get("weights_rel", {}).get(witness, math.inf)
-                ok = loss <= LOSS_RTOL and weights <= WEIGHT_RTOL
-                add(f"agrees with {witness.split('/')[0]}", case.name, ok, f"loss {loss:.2e}, weights {weights:.2e}")
+                ok = same_start and loss <= loss_rtol and weights <= weight_rtol
+                detail = f"step 1 {'equal' if same_start else 'DIFFERS'}; loss {loss:.2e} (<= {loss_rtol:g}), "
+                detail += f"weights {weights:.2e} (<= {weight_rtol:g})"
+                add(f"agrees with {witness}", case.name, ok, detail)
     for name, r in by.get("sanitizer", {}).items():
         ok = not r.get("error")
         add("stream sanitizer", name[0], ok, "no race reported" if ok else r["error"][:600])
@@ -279,13 +298,14 @@ def report(records: dict, verdicts: list[dict], args, seconds: float, codes: dic
         "",
         f"`{' '.join(sys.argv)}` — {env.get('gpu', args.device)}, torch {env.get('torch', '?')}, "
         f"{args.nproc} rank(s), {seconds:.0f} s in all; passes' exit codes {codes}.",
-        f"Model: {asdict(args.shape)}. Tolerances: loss {LOSS_RTOL:g} relative, weights {WEIGHT_RTOL:g} (‖Δ‖/‖ref‖).",
+        f"Model: {asdict(args.shape)}. Tolerances (loss, weights ‖Δ‖/‖witness‖): the same arithmetic {EXACT_RTOL}, "
+        f"other rounding by design (offload, FusedAdamW) {ROUNDING_RTOL}; the first step equal.",
         "",
         "## Losses",
         "",
     ]
     main = records.get("main", {}).get("results", [])
-    eager = next((r for r in main if r["case"] == "reference" and r["repeat"] == 0 and not r.get("error")), None)
+    eager = next((r for r in main if r["case"] == "reference/eager" and r["repeat"] == 0 and not r.get("error")), None)
     steps = len(next((r["losses"] for r in main if r.get("losses")), []))
     header = ["case", "run"] + [f"step {i + 1}" for i in range(steps)] + ["vs eager reference (compile noise)"]
     rows = []
@@ -332,6 +352,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6)")
     p.add_argument("--no-sanitizer", dest="sanitizer", action="store_false")
     p.add_argument("--baseline", default=None, help="a checkout of an earlier engine to run a few cases of")
+    p.add_argument("--rejudge", default=None, help="judge and report a results.json of an earlier run again (no run)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
