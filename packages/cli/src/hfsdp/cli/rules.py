@@ -268,6 +268,19 @@ def _sgd_momentum_needs_sgd(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _adam_kernel_of_adam(v: dict[str, Any], said) -> str | None:
+    if v["adam_kernel"] == "auto":
+        return None
+    if v["optimizer"] != "adam":
+        return f"{said('adam_kernel')} chooses the AdamW of --optimizer adam, but {said('optimizer')}; drop it."
+    if v["adam_kernel"] == "fused" and v["outer"] == "diloco":
+        return (
+            f"{said('adam_kernel')} clips by the norm over every rank, but with {said('outer')} each instance "
+            "clips its own gradients; use --adam-kernel torch (or auto)."
+        )
+    return None
+
+
 def _restarts_resume_from_save(v: dict[str, Any], said) -> str | None:
     if v["max_restarts"] and v["save"] is None:
         return (
@@ -299,6 +312,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("sync_fragments", "layers", "model_config", "outer"), _fragments_within_units),
     Rule(("offload", "outer"), _diloco_without_offload),
     Rule(("sgd_momentum", "optimizer"), _sgd_momentum_needs_sgd),
+    Rule(("adam_kernel", "optimizer", "outer"), _adam_kernel_of_adam),
     Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),

@@ -41,6 +41,7 @@ DEVICES = ("auto", "cpu", "cuda")
 NORMS = ("LayerNorm", "RMSNorm")
 DECAY_STYLES = ("constant", "linear", "cosine")
 OFFLOADS = ("none", "optim")
+ADAM_KERNELS = ("auto", "fused", "torch")  # hfsdp's FusedAdamW, or torch's fused AdamW
 OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer: adam is AdamW (decoupled weight decay), as in Megatron
 #: DiLoCo's settings (`--outer diloco`), by TrainConfig name (the flag's) -> DiLoCoConfig field.
 DILOCO_SETTINGS = {flag[2:].replace("-", "_"): field for field, (_, flag) in CONFIG_KEYS.items()}
@@ -245,6 +246,16 @@ SETTINGS: tuple[Setting, ...] = (
         f"The (inner) optimizer, Megatron's choice: {', '.join(OPTIMIZERS)} (adam: AdamW, fused).",
         one_of(*OPTIMIZERS),
         key="train.optimizer",
+    ),
+    Setting(
+        "adam_kernel",
+        "--adam-kernel",
+        "auto",
+        str,
+        f"AdamW of --optimizer adam: {', '.join(ADAM_KERNELS)} (fused: hfsdp's FusedAdamW, clip and bf16 cast in "
+        "its step; auto: fused on a GPU without offload or DiLoCo).",
+        one_of(*ADAM_KERNELS),
+        key="train.adam_kernel",
     ),
     Setting(
         "sgd_momentum",
