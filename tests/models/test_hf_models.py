@@ -88,7 +88,7 @@ def _train_sharded(sharded, rank, world, steps):
 
 def _train_unsharded(config: dict, steps: int):
     """The same optimizer, groups and schedule on the unsharded model: losses and final parameters."""
-    from hfsdp.core.main_params import megatron_no_decay
+    from hfsdp.core.buffers.main_params import megatron_no_decay
     from hfsdp.models import hf
 
     model = hf.build_causal_lm(hf.config_from_dict(config), seed=0)
@@ -127,7 +127,7 @@ def _family_runs(rank, world):
 def _variants(rank, world):
 
     from hfsdp.core import LayoutConfig, build_meshes, fully_shard
-    from hfsdp.core.unit_forward import compile_units, recompute
+    from hfsdp.core.engine.unit_forward import compile_units, recompute
     from hfsdp.models import hf
 
     out = {}
