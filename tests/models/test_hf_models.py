@@ -88,7 +88,7 @@ def _train_sharded(sharded, rank, world, steps):
 
 def _train_unsharded(config: dict, steps: int):
     """The same optimizer, groups and schedule on the unsharded model: losses and final parameters."""
-    from hfsdp.core.buffers.main_params import megatron_no_decay
+    from hfsdp.core.engine.weight_decay import megatron_no_decay
     from hfsdp.models import hf
 
     model = hf.build_causal_lm(hf.config_from_dict(config), seed=0)

@@ -433,7 +433,7 @@ def _groups_and_schedule(rank, world):
 
 
 def _reference_groups_and_schedule():
-    from hfsdp.core.buffers.main_params import megatron_no_decay
+    from hfsdp.core.engine.weight_decay import megatron_no_decay
 
     model = make_toy()
     decay = [p for n, p in model.named_parameters() if not megatron_no_decay(n, p.shape)]

@@ -26,7 +26,7 @@ _EXPORTS = {
     "MixedPrecision": "hfsdp.core.buffers.mixed_precision",
     "clip_grad_norm_": "hfsdp.core.engine.clip",
     "global_grad_norm": "hfsdp.core.engine.clip",
-    "param_groups": "hfsdp.core.buffers.main_params",
+    "param_groups": "hfsdp.core.engine.weight_decay",
     "register_elementwise": "hfsdp.core.buffers.main_params",
     "FusedAdamW": "hfsdp.core.kernels.fused_adamw",
 }

@@ -75,8 +75,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     from hfsdp.cli.rank.resume import CONSUMED_KEY, SCHEDULE_KEY, open_metrics, resume
     from hfsdp.cli.rank.saving import Saver
     from hfsdp.cli.settings.autoresume import RUN_ID_KEY, run_id
-    from hfsdp.core.buffers.main_params import param_groups
     from hfsdp.core.engine.clip import clip_grad_norm_, global_grad_norm
+    from hfsdp.core.engine.weight_decay import param_groups
     from hfsdp.recipes.data import microbatch
 
     layout, world = cfg.layout, dist.get_world_size()

@@ -26,19 +26,26 @@ rank), instead of letting it compute something else.
 
 from __future__ import annotations
 
-import re
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from hfsdp.core.buffers.flat_layout import ParamSlot
+from hfsdp.core.buffers.flat_layout import FlatLayout, ParamSlot
+from hfsdp.core.buffers.grad_buffer import GradBuffer
 
-if TYPE_CHECKING:
-    from hfsdp.core.buffers.flat_group import FlatParamGroup
+
+class MainWeights(Protocol):
+    """What a main param reads of its group: a `FlatParamGroup`, which builds its main params from this module
+    (so this module names only what it reads, and imports nothing above it)."""
+
+    flat: FlatLayout
+    main: torch.Tensor  # this rank's optimizer range of the fp32 main weights
+    grads: GradBuffer
+
 
 #: Optimizers whose update of an element depends on that element's gradient and state alone.
 ELEMENTWISE: set[type] = {
@@ -68,7 +75,7 @@ class MainParam:
     """Elements [start, stop) of the parameter in `slot`, held by this rank as `param` (empty when start == stop)."""
 
     slot: ParamSlot
-    group: FlatParamGroup  # whose main weights `param` aliases
+    group: MainWeights  # the FlatParamGroup whose main weights `param` aliases
     start: int
     stop: int
     offset: int  # of the piece in the group's optimizer range
@@ -107,7 +114,7 @@ def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
     return (*([1] * (len(shape) - 1)), numel) if len(shape) else (numel,)
 
 
-def build_main_params(group: FlatParamGroup) -> list[MainParam]:
+def build_main_params(group: MainWeights) -> list[MainParam]:
     """The main param of every slot of `group`, in slot order (an empty one where this rank holds no element)."""
     lo, hi = group.flat.optim_range
     out = []
@@ -126,46 +133,6 @@ def piece_of(tensor: torch.Tensor) -> MainParam | None:
     """The main param `tensor` is, or None for any other tensor."""
     ref = getattr(tensor, "_hfsdp_piece", None)
     return ref() if ref is not None else None
-
-
-# Parameter groups --------------------------------------------------------------------------------------
-
-NoDecay = Callable[[str, torch.Size], bool]
-
-
-def megatron_no_decay(name: str, shape: torch.Size) -> bool:
-    """Megatron's rule: no weight decay for biases and 1-D parameters (norms); embeddings likewise here."""
-    return name.endswith(".bias") or len(shape) <= 1 or "embed" in name
-
-
-def param_groups(model, weight_decay: float = 0.01, no_decay: NoDecay | Iterable[str] | None = None) -> list[dict]:
-    """Two optimizer parameter groups of `model`'s parameters (its main params): with weight decay, and without.
-
-    `no_decay` picks the parameters without decay: a function of (global name,
-    full shape), or regular expressions matched against the name; default
-    `megatron_no_decay`. The decision uses the whole parameter's shape and
-    name, so every piece of a parameter lands in the same group on every rank,
-    and every rank's optimizer has the same group structure.
-    """
-    from hfsdp.core.engine.sharding import sharding_of
-
-    rule = _no_decay_rule(no_decay)
-    decay, plain = [], []
-    for piece in sharding_of(model).main_params:
-        (plain if rule(piece.name, piece.shape) else decay).append(piece.param)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": plain, "weight_decay": 0.0, "name": "no_decay"},
-    ]
-
-
-def _no_decay_rule(no_decay: NoDecay | Iterable[str] | None) -> NoDecay:
-    if no_decay is None:
-        return megatron_no_decay
-    if callable(no_decay):
-        return no_decay
-    patterns = [re.compile(p) for p in no_decay]
-    return lambda name, shape: any(p.search(name) for p in patterns)
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer, pieces: Iterable[MainParam]) -> None:

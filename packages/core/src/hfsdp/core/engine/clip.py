@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hfsdp.core.buffers.main_params import MainParam, piece_of
+from hfsdp.core.engine.sharding import sharding_of
 from hfsdp.core.rules.placement_names import State
 
 
@@ -119,8 +120,6 @@ def _scale_host_copies(pieces: list[MainParam], coef: torch.Tensor) -> None:
 
 
 def _pieces(model) -> list[MainParam]:
-    from hfsdp.core.engine.sharding import sharding_of
-
     return sharding_of(model).main_params
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hfsdp.core.buffers.main_params import MainParam, piece_of
+from hfsdp.core.engine.clip import pieces_norm
 from hfsdp.core.kernels.adamw_kernel import AdamWScalars, adamw_run, triton
 
 BACKENDS = ("auto", "triton", "torch")
@@ -131,8 +132,6 @@ class FusedAdamW(torch.optim.AdamW):
                 "steps tensors that are not an hfsdp model's parameters; clip those apart and leave max_grad_norm "
                 "unset."
             )
-        from hfsdp.core.engine.clip import pieces_norm
-
         pieces = [piece for options in self.param_groups for p in options["params"] if (piece := piece_of(p))]
         # In the model's order, so the norm is summed exactly as hfsdp.core.clip_grad_norm_(model) sums it.
         order = {}
