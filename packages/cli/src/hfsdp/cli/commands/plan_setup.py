@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfsdp.cli.checks.plan_inputs import default_mfu, layout_fields, model_shape, step_settings
+from hfsdp.cli.settings.plan_settings import CLUSTER_FLAGS, PLAN_SETTINGS
 from hfsdp.cli.settings.report import shown
 from hfsdp.cli.settings.train_config import FLAG, Given, TrainConfig, gather, resolve
 from hfsdp.core.rules.config import ConfigError, Problem
@@ -41,8 +42,6 @@ class PlanInputs:
 
 def plan_inputs(flags: dict[str, Any]) -> PlanInputs:
     """Validate `hfsdp plan`'s flags; raise PlanInputError with every problem."""
-    from hfsdp.cli.commands.plan import CLUSTER_FLAGS, PLAN_SETTINGS
-
     problems: list[Problem] = []
     cluster_values: dict[str, Any] = {}
     for flag, attr, _default, type_, _help in CLUSTER_FLAGS:

@@ -15,8 +15,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from hfsdp.cli.rank.run_dir import error_file
-from hfsdp.cli.rank.worker import PEER_GONE
+from hfsdp.cli.rank.heartbeat import doing
+from hfsdp.cli.rank.run_dir import PEER_GONE, error_file
 
 
 @dataclass(frozen=True)
@@ -81,16 +81,6 @@ def read_failure(err, run_dir: Path, step: int | None, hang: Hang | None) -> Fai
     line = f"error: rank {rank} exited with code {failure.exitcode} without a message; every other rank was stopped."
     short = f"rank {rank} exited with code {failure.exitcode} {at(step)}"
     return Failure(rank, "exited", step, short, (line,), pid=failure.pid)
-
-
-def doing(phase: str, step: int) -> str:
-    """What a rank was doing, in words, from its heartbeat's phase and step."""
-    return {
-        "load": "loading its checkpoint",
-        "step": f"step {step}",
-        "publish": f"publishing the checkpoint written in the background, after step {step}",
-        "save": f"the save after step {step}",
-    }.get(phase, f"{phase} at step {step}")
 
 
 def _hung(hang: Hang) -> Failure:

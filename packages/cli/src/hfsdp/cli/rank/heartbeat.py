@@ -27,7 +27,6 @@ import threading
 import time
 from pathlib import Path
 
-from hfsdp.cli.launcher.failures import doing
 from hfsdp.cli.rank.run_dir import attempt, heartbeat_file, write_json
 from hfsdp.cli.settings.report import say
 
@@ -35,6 +34,16 @@ from hfsdp.cli.settings.report import say
 EXIT_HUNG = 124
 #: How much longer than --step-timeout faulthandler's own watchdog waits before it ends a stuck process.
 BACKSTOP_S = 30.0
+
+
+def doing(phase: str, step: int) -> str:
+    """What a rank was doing, in words, from its heartbeat's phase and step."""
+    return {
+        "load": "loading its checkpoint",
+        "step": f"step {step}",
+        "publish": f"publishing the checkpoint written in the background, after step {step}",
+        "save": f"the save after step {step}",
+    }.get(phase, f"{phase} at step {step}")
 
 
 def stacks_dir(save: str | None, run_dir: str | None, attempt_number: int) -> Path | None:

@@ -16,6 +16,8 @@ from pathlib import Path
 RUN_DIR_ENV = "HFSDP_RUN_DIR"
 #: Set by the launcher: which attempt of the run this is (0, then one more per restart).
 ATTEMPT_ENV = "HFSDP_ATTEMPT"
+#: Text of the errors a collective raises when a peer process is gone.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Gloo", "NCCL", "timed out")
 
 
 def error_file(run_dir: str | Path, rank: int) -> Path:

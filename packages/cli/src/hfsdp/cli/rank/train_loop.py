@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hfsdp.cli.checks.preflight import MODEL_KEY, model_settings
 from hfsdp.cli.rank import stopping, timeline
+from hfsdp.cli.rank.heartbeat import Heartbeat
 from hfsdp.cli.rank.progress import reporter
 from hfsdp.cli.rank.run_dir import RUN_DIR_ENV, progress_file, read_json, write_json
 from hfsdp.cli.rank.tensorboard_log import TensorBoardLog
@@ -71,7 +72,6 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
 
 def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     from hfsdp.cli.rank.build_model import build_model
-    from hfsdp.cli.rank.heartbeat import Heartbeat
     from hfsdp.cli.rank.resume import CONSUMED_KEY, SCHEDULE_KEY, open_metrics, resume
     from hfsdp.cli.rank.saving import Saver
     from hfsdp.cli.settings.autoresume import RUN_ID_KEY, run_id

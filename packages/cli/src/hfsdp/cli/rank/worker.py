@@ -24,12 +24,10 @@ import torch.distributed as dist
 
 from hfsdp.ckpt import CheckpointError
 from hfsdp.cli.rank import stopping, timeline
-from hfsdp.cli.rank.run_dir import RUN_DIR_ENV, error_file
+from hfsdp.cli.rank.run_dir import PEER_GONE, RUN_DIR_ENV, error_file
+from hfsdp.cli.rank.train_loop import run_training
 from hfsdp.cli.settings.report import say
 from hfsdp.cli.settings.train_config import TrainConfig
-
-#: Text of the errors a collective raises when a peer process is gone.
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Gloo", "NCCL", "timed out")
 
 
 def entrypoint(cfg: TrainConfig) -> None:
@@ -54,8 +52,6 @@ def run_rank(cfg: TrainConfig, resumed_from: str | None = None) -> int:
         timeline.note(cfg.timeline, "rank started")
     run_dir = os.environ.get(RUN_DIR_ENV)
     try:
-        from hfsdp.cli.rank.train_loop import run_training
-
         run_training(cfg)
         return 0
     except stopping.Interrupted as stop:
