@@ -21,6 +21,13 @@ SOURCES = sorted(REPO.glob("packages/*/src"))
 MAX_MODULES = 20
 #: Imports point one way (README's Layout): a package may import those of a lower rank, and its own, never higher.
 RANK = {"hfsdp.core": 0, "hfsdp.models": 1, "hfsdp.recipes": 1, "hfsdp.planning": 1, "hfsdp.ckpt": 2, "hfsdp.cli": 3}
+#: Inside hfsdp.core and hfsdp.cli a subpackage may import only those before it (docs/design.md, "Subpackages").
+ORDER = {
+    "hfsdp.core": ("rules", "offload", "buffers", "outer", "engine", "kernels"),
+    "hfsdp.cli": ("settings", "checks", "rank", "launcher", "commands"),
+}
+#: The one import against ORDER: preflight asks whether TensorBoard is installed before a rank would write with it.
+ORDER_EXCEPTIONS = {("hfsdp.cli.checks.preflight", "hfsdp.cli.rank.tensorboard_log")}
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,29 @@ def test_imports_point_one_way_between_the_packages():
     ]
     assert not upward, "imports against the one-way rule (cli -> ckpt -> models, recipes, planning -> core):\n" + (
         "\n".join(upward)
+    )
+
+
+def test_subpackages_import_only_those_below_them():
+    """hfsdp.core: rules <- offload <- buffers <- outer <- engine <- kernels; hfsdp.cli: settings <- checks <- rank
+    <- launcher <- commands (each may import those to its left; the modules at a package's root, anything)."""
+
+    def place(module: str) -> tuple[str, int] | None:
+        parts = module.split(".")
+        package = ".".join(parts[:2])
+        if package in ORDER and len(parts) > 3 and parts[2] in ORDER[package]:
+            return package, ORDER[package].index(parts[2])
+        return None
+
+    against = []
+    for out in _graph()[0].values():
+        for e in out:
+            source, target = place(e.source), place(e.target)
+            upward = source and target and source[0] == target[0] and target[1] > source[1]
+            if upward and (e.source, e.target) not in ORDER_EXCEPTIONS:
+                against.append(str(e))
+    assert not against, "imports of a subpackage above the importer (docs/design.md, Subpackages):\n" + "\n".join(
+        against
     )
 
 
