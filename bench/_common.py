@@ -119,7 +119,7 @@ class CallTimers:
 def install_comm_timers(timers: CallTimers) -> None:
     """Time every collective the engines issue (label 'comm::<op>', one family so calls never double-count).
 
-    hfsdp's three functions in `hfsdp.core.collectives` are wrapped (flat_group.py calls
+    hfsdp's three functions in `hfsdp.core.buffers.collectives` are wrapped (flat_group.py calls
     them through the module), and so are the `torch.distributed` functions FSDP2, the
     clipping and the loss reduction call; `Work.wait` counts the wait of asynchronous ones.
     Calls over one-rank groups (megatron-core's tensor-parallel all-reduces in the loss at
@@ -128,7 +128,7 @@ def install_comm_timers(timers: CallTimers) -> None:
     """
     import torch.distributed as dist
 
-    from hfsdp.core import collectives
+    from hfsdp.core.buffers import collectives
 
     def single_rank(*args, **kwargs) -> bool:
         """A collective over a group of one rank (megatron-core's tensor-parallel group of size 1)."""

@@ -122,7 +122,7 @@ def batches(shape: Shape, world: int, rank: int, device: torch.device) -> list[l
 
 def compile_units(model, style: str) -> None:
     """Compile the decoder layers the way `style` names (before sharding; "model" compiles after it)."""
-    from hfsdp.core.unit_forward import compile_units as cli_compile
+    from hfsdp.core.engine.unit_forward import compile_units as cli_compile
 
     layers = model.model.layers
     if style == "module":
@@ -262,7 +262,7 @@ class Hfsdp:
 
     def __init__(self, case: Case, shape: Shape, device, sanitizer: bool):
         from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard
-        from hfsdp.core.unit_forward import recompute
+        from hfsdp.core.engine.unit_forward import recompute
 
         self.shape, self.option = shape, case.option
         model = build_llama(shape, device)

@@ -131,7 +131,7 @@ def train_run(args, run: Run, seed: int, steps: int, data, device, rank: int) ->
     import torch.distributed as dist
 
     from hfsdp.core import clip_grad_norm_
-    from hfsdp.core.collectives import record_comms
+    from hfsdp.core.buffers.collectives import record_comms
 
     train, held = data
     sharded, opt = _model(args, run, seed, device)

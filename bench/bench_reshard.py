@@ -65,7 +65,7 @@ def build(path: Path, units: int) -> None:
     import torch
 
     from hfsdp.ckpt import write_from_tensors
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
 
     cfg = LayoutConfig(world_size=8, instances=2, outer="optim")
     groups = groups_for(units)
@@ -89,7 +89,7 @@ def build(path: Path, units: int) -> None:
 
 def op_reshard(src: str, dst: str, budget_mib: str, verify: str) -> dict:
     from hfsdp.ckpt import reshard
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
 
     base = rss_mib()
     target = LayoutConfig(world_size=6)

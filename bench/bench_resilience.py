@@ -177,7 +177,7 @@ def measure_stall(name: str, args, device: torch.device, root: Path, log) -> dic
 
 
 def _ranks(launcher: int) -> list[int]:
-    from hfsdp.cli.launch import rank_processes
+    from hfsdp.cli.launcher.launch import rank_processes
 
     return rank_processes(launcher)
 

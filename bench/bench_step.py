@@ -65,7 +65,7 @@ slowest rank's median and the largest memory):
 - with `--floor` (CUDA): the bandwidth floor of each hfsdp engine's cost, the bytes its own kernels
   move per step and the fewest its layout must move (`_floor.py`), over the device-to-device copy
   bandwidth measured in the run, against the engine's cost (its step minus the `model` engine's);
-- comm blocked: host time inside collective calls (hfsdp.core.collectives, the
+- comm blocked: host time inside collective calls (hfsdp.core.buffers.collectives, the
   torch.distributed functions, Work.wait). On gloo calls are synchronous, so this is
   the exposed communication plus waiting for slower ranks; on NCCL it is launch time
   only, and the exposed communication comes from --profile (collective kernels with no
@@ -425,7 +425,7 @@ def loss_of(model, tokens, labels):
 
 def maybe_compile(args, model) -> None:
     """torch.compile and/or activation recomputation of every unit, as the flags ask (both engines alike)."""
-    from hfsdp.core.unit_forward import compile_units, recompute
+    from hfsdp.core.engine.unit_forward import compile_units, recompute
 
     if args.compile and args.compile_style == "forward":
         compile_units(units_of(model))
@@ -704,9 +704,9 @@ class ModelOnlyEngine(TorchOptimizerEngine):
 
 def install_phase_timers(timers: CallTimers) -> None:
     """Inclusive host time of each engine's phases (labels 'hfsdp:...' and 'fsdp2:...')."""
-    from hfsdp.core.flat_group import FlatParamGroup
-    from hfsdp.core.grad_buffer import GradBuffer
-    from hfsdp.core.unit import ShardedUnit
+    from hfsdp.core.buffers.flat_group import FlatParamGroup
+    from hfsdp.core.buffers.grad_buffer import GradBuffer
+    from hfsdp.core.engine.unit import ShardedUnit
 
     try:  # FSDP2's private module; its path and method names may move between torch versions
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -1169,7 +1169,7 @@ def main(argv=None) -> int:
 
 
 def _main(args, device, rank, world) -> int:
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
 
     layouts = parse_layouts(args.layouts, world)
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else None
@@ -1308,7 +1308,7 @@ def _main(args, device, rank, world) -> int:
 
 def run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:
     """The unsharded model (`plain` or `model`) on rank 0 alone; every other rank waits at a barrier."""
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
     from hfsdp.models.megatron.adapter import initialize_parallel
 
     if args.model == "gpt":  # collective: every rank builds megatron-core's groups (a Llama needs none)

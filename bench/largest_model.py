@@ -4,7 +4,7 @@ largest predicted to fit first, stop at the first that trains; then FSDP2 at tha
     python bench/largest_model.py --out OUT --budget-s 200 [--host-gib 128]
 
 Each attempt is its own process (`torchrun ... bench/bench_step.py --engines hfsdp`), so a run killed for memory
-takes nothing else with it. The prediction uses the per-element bytes of `hfsdp.core.offload_plan` (one GPU,
+takes nothing else with it. The prediction uses the per-element bytes of `hfsdp.core.offload.offload_plan` (one GPU,
 ZeRO-3, bf16: 16 bytes on the device per element kept there, 6 per element offloaded, 16 on the host per
 element offloaded) and, for FSDP2, 16 bytes per parameter on the device without offload and on the host
 with CPUOffloadPolicy. Activations with recompute and micro-batch 1 are left to the 10% reserve.

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hfsdp.core.adamw_kernel import AdamWScalars, adamw_run, triton_usable
+from hfsdp.core.kernels.adamw_kernel import AdamWScalars, adamw_run, triton_usable
 
 RESULTS: list[dict] = []
 
@@ -164,7 +164,7 @@ def _run(device, dtype, optimizer: str, offload=False, steps: int = 4, clip: flo
         fully_shard,
         sharding_of,
     )
-    from hfsdp.core.flat_layout import FlatLayout
+    from hfsdp.core.buffers.flat_layout import FlatLayout
     from hfsdp.models import hf
 
     cfg = LayoutConfig(world_size=1)
@@ -239,11 +239,11 @@ def _resident_bytes() -> int:
 
 
 def host_memory_checks(device) -> None:
-    """Offload's exact-size page-locked buffers (`hfsdp.core.host_memory`) on a real GPU: locked, asynchronous,
+    """Offload's exact-size page-locked buffers (`hfsdp.core.offload.host_memory`) on a real GPU: locked, asynchronous,
     the size asked for where torch's pinned allocator takes the next power of two, and freed with their last view."""
     import gc
 
-    from hfsdp.core.host_memory import page_locked_empty
+    from hfsdp.core.offload.host_memory import page_locked_empty
 
     numel = 318_767_105  # one 13B-Llama unit's elements: 1.27 GB in fp32, a 2 GiB block from torch's allocator
     nbytes = numel * 4

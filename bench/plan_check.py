@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 for src in ("packages/core/src", "packages/ckpt/src", "packages/cli/src"):
     sys.path.insert(0, str(ROOT / src))
 
-from hfsdp.core.config import LayoutConfig  # noqa: E402
+from hfsdp.core.rules.config import LayoutConfig  # noqa: E402
 from hfsdp.planning.activations import activations  # noqa: E402
 from hfsdp.planning.gpt_shape import gpt_shape  # noqa: E402
 from hfsdp.planning.groups import groups_for  # noqa: E402
@@ -51,7 +51,7 @@ SMOKE = {
     "gpt": dict(layers=2, hidden=64, heads=4),
     "llama": dict(layers=2, hidden=64, heads=4, ffn=192),
 }
-#: The MFU hfsdp plan assumes by default (hfsdp.cli.plan_inputs.MEASURED_MFU), checked here against a new run.
+#: The MFU hfsdp plan assumes by default (hfsdp.cli.checks.plan_inputs.MEASURED_MFU), checked here against a new run.
 MFU = {"gpt": 0.27, "llama": 0.40}
 H200_BF16_TFLOPS = 989.0
 

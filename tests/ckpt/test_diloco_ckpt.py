@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hfsdp.ckpt import CheckpointError, export, inspect, read_index, reshard, resolve, verify
-from hfsdp.core.config import LayoutConfig
-from hfsdp.core.outer_config import DiLoCoConfig
+from hfsdp.core.outer.outer_config import DiLoCoConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 from tests.support.ckpt_files import edit_index
 from tests.support.diloco import MICROBATCHES, instance_microbatch, shard_toy, train_step

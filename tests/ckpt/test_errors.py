@@ -30,8 +30,8 @@ from typer.testing import CliRunner
 
 from hfsdp.ckpt import CheckpointError, export, inspect, load_checkpoint, reshard, verify
 from hfsdp.ckpt.live.model_state import unsharded_state
-from hfsdp.cli.ckpt import app
-from hfsdp.core.config import LayoutConfig
+from hfsdp.cli.commands.ckpt import app
+from hfsdp.core.rules.config import LayoutConfig
 
 from tests.support.ckpt_files import (
     as_legacy_optimizer,

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 import hfsdp.ckpt.tensors.writer as writer_module
 from hfsdp.ckpt import CheckpointError, export, inspect, read_index, reshard, resolve, verify
 from hfsdp.ckpt.format.store import is_unpublished
-from hfsdp.cli.ckpt import app
-from hfsdp.core.config import LayoutConfig
+from hfsdp.cli.commands.ckpt import app
+from hfsdp.core.rules.config import LayoutConfig
 
 from tests.support.ckpt_files import as_legacy_optimizer, edit_index, synthetic_checkpoint
 

@@ -32,8 +32,8 @@ from hfsdp.ckpt import (
 from hfsdp.ckpt.format.index import MAIN, MODEL
 from hfsdp.ckpt.hf.directory import read_hf_dir
 from hfsdp.ckpt.hf.source import HFSource
-from hfsdp.cli.ckpt import app
-from hfsdp.core.config import LayoutConfig
+from hfsdp.cli.commands.ckpt import app
+from hfsdp.core.rules.config import LayoutConfig
 from hfsdp.models.megatron.gpt import GPTShape
 
 from tests.support.ckpt_files import edit_index, synthetic_checkpoint, synthetic_groups

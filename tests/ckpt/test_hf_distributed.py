@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hfsdp.ckpt import export, import_hf, read_index, resolve
-from hfsdp.core.config import LayoutConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 from tests.support.distributed import run_distributed
 from tests.support.hf_dirs import LAYOUTS, MODELS, TOKENS, hf_logits, load_info, tiny_config, write_hf_dir
@@ -42,7 +42,7 @@ STEPS = 3
 
 def _sharded(config, layout: dict, seed: int):
     from hfsdp.core import fully_shard
-    from hfsdp.core.mesh import build_meshes
+    from hfsdp.core.engine.mesh import build_meshes
     from hfsdp.models.hf import build_causal_lm, decoder_layers
 
     cfg = LayoutConfig(world_size=torch.distributed.get_world_size(), **layout)

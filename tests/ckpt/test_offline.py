@@ -19,7 +19,7 @@ from hfsdp.ckpt.format.groups import merged_order, retarget_groups
 from hfsdp.ckpt.format.index import GroupSpec
 from hfsdp.ckpt.format.pieces import plan_writes
 from hfsdp.ckpt.tensors.reader import CheckpointReader
-from hfsdp.core.config import LayoutConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 from tests.support.ckpt_files import as_legacy_optimizer, edit_index, synthetic_checkpoint, synthetic_groups
 from tests.support.ckpt_models import NUM_EXPERTS

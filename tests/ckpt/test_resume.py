@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from hfsdp.ckpt import export, read_index, reshard, resolve
 from hfsdp.ckpt.format.groups import retarget_groups
 from hfsdp.ckpt.tensors.reader import CheckpointReader
-from hfsdp.core.config import LayoutConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 from tests.support.ckpt_files import as_legacy_optimizer, edit_index
 from tests.support.ckpt_models import GLOBAL_BATCH, HFSDP, MOE_EP1, MOE_EP2, NUM_EXPERTS, ZERO1, ZERO3, reference

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from hfsdp.cli.main import app
-from hfsdp.cli.settings import SETTINGS
-from hfsdp.core.strategy import Strategy
+from hfsdp.cli.settings.settings import SETTINGS
+from hfsdp.core.rules.strategy import Strategy
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "250", "TERM": "dumb"}  # one line per option, so each default sits beside its flag

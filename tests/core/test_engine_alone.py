@@ -16,7 +16,7 @@ def test_every_engine_module_imports_without_models_checkpoints_or_the_cli():
     hfsdp.recipes, hfsdp.ckpt or hfsdp.cli."""
     code = (
         "import importlib, pkgutil, sys, hfsdp.core as core\n"
-        "for m in pkgutil.iter_modules(core.__path__): importlib.import_module('hfsdp.core.' + m.name)\n"
+        "for m in pkgutil.walk_packages(core.__path__, 'hfsdp.core.'): importlib.import_module(m.name)\n"
         "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('megatron', 'transformers') "
         "or n.startswith(('hfsdp.models', 'hfsdp.recipes', 'hfsdp.ckpt', 'hfsdp.cli')))\n"
         "print(bad)\n"

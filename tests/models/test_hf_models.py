@@ -89,8 +89,8 @@ def _train_sharded(sharded, rank, world, steps):
 def _train_unsharded(config: dict, steps: int, compiled: bool = False):
     """The same optimizer, groups and schedule on the unsharded model (its decoder layers compiled as the sharded
     variant's are, so both round alike): losses and final parameters."""
-    from hfsdp.core.main_params import megatron_no_decay
-    from hfsdp.core.unit_forward import compile_units
+    from hfsdp.core.engine.unit_forward import compile_units
+    from hfsdp.core.engine.weight_decay import megatron_no_decay
     from hfsdp.models import hf
 
     model = hf.build_causal_lm(hf.config_from_dict(config), seed=0)
@@ -131,7 +131,7 @@ def _family_runs(rank, world):
 def _variants(rank, world):
 
     from hfsdp.core import LayoutConfig, build_meshes, fully_shard
-    from hfsdp.core.unit_forward import compile_units, recompute
+    from hfsdp.core.engine.unit_forward import compile_units, recompute
     from hfsdp.models import hf
 
     out = {}

@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from hfsdp.core.config import ConfigError
-from hfsdp.core.strategy import Strategy
+from hfsdp.core.rules.config import ConfigError
+from hfsdp.core.rules.strategy import Strategy
 from hfsdp.models.megatron.adapter import layout_from_ddp_config
 
 

@@ -99,7 +99,7 @@ def test_hf_activation_bytes_match_what_autograd_saves(case, dtype, c):
 
 
 def _megatron(rank, world):
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
     from hfsdp.models.megatron.adapter import initialize_parallel, is_expert_param
     from hfsdp.models.megatron.cpu_shim import seed_megatron
     from hfsdp.models.megatron.gpt import GPTShape, build_gpt, lm_loss

@@ -2,7 +2,7 @@
 
 One spawned gloo group per world size (4, 6, 8) runs every layout of the meshes 2x2, 2x3, 3x2,
 2x4 and 4x2 (every valid pair of the four sharding strategies, and the four one-axis layouts of the world;
-DiLoCo, which the planner does not propose, is counted against its formula in tests/core/test_diloco.py) for one
+DiLoCo, which the planner does not propose, is counted against its formula in tests/core/outer/test_diloco.py) for one
 optimizer step of two microbatches, counting every collective with `record_comms`. The toy
 model's sizes are odd, so every group pads. The planner sees only the model's per-unit
 parameter counts.
@@ -14,8 +14,8 @@ import itertools
 
 import pytest
 
-from hfsdp.core.config import LayoutConfig
-from hfsdp.core.strategy import Strategy
+from hfsdp.core.rules.config import LayoutConfig
+from hfsdp.core.rules.strategy import Strategy
 from hfsdp.planning.groups import groups_for
 from hfsdp.planning.model_shape import ModelShape, UnitParams
 from hfsdp.planning.traffic import bytes_per_axis, step_collectives
@@ -42,9 +42,9 @@ def _count(rank, world):
     import torch.distributed as dist
 
     from hfsdp.core import fully_shard
-    from hfsdp.core.collectives import record_comms
-    from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.mixed_precision import MixedPrecision
+    from hfsdp.core.buffers.collectives import record_comms
+    from hfsdp.core.buffers.mixed_precision import MixedPrecision
+    from hfsdp.core.engine.mesh import build_meshes
 
     from tests.support.toy_models import make_toy, microbatch
 

@@ -41,7 +41,7 @@ def synthetic_checkpoint(
     """Write a checkpoint of random tensors (model, main, exp_avg, exp_avg_sq, and the unsharded module tensors)
     for `layout`; returns them by kind ("unsharded" for the module tensors) and global name."""
     from hfsdp.ckpt import write_from_tensors
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
 
     cfg = LayoutConfig(**layout)
     groups = synthetic_groups(moe, cfg.ep)

@@ -162,10 +162,10 @@ def _ep_group(ep: int):
 def engine(layout: dict, moe: bool = False, seed: int = 0, bf16: bool = False):
     """A sharded Toy (or MoEToy) and torch's AdamW over its main params on this process group, for `layout`."""
     from hfsdp.core import fully_shard
-    from hfsdp.core.config import LayoutConfig
-    from hfsdp.core.expert_naming import ExpertNaming
-    from hfsdp.core.mesh import build_meshes
-    from hfsdp.core.mixed_precision import MixedPrecision
+    from hfsdp.core.buffers.mixed_precision import MixedPrecision
+    from hfsdp.core.engine.mesh import build_meshes
+    from hfsdp.core.rules.config import LayoutConfig
+    from hfsdp.core.rules.expert_naming import ExpertNaming
 
     cfg = LayoutConfig(world_size=dist.get_world_size(), **layout)
     meshes = build_meshes(cfg, "cpu")

@@ -71,7 +71,7 @@ def world4_phase(rank: int, world: int, root: str):
     from pathlib import Path
 
     from hfsdp.ckpt import reshard
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
 
     root = Path(root)
     out = {}

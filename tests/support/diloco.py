@@ -37,8 +37,8 @@ def train_step(sharded, opt, batch) -> torch.Tensor:
 
 def shard_toy(world, outer, inner, instances, diloco=None, is_expert=None, experts=False, mp=None):
     from hfsdp.core import fully_shard
-    from hfsdp.core.config import LayoutConfig
-    from hfsdp.core.mesh import build_meshes
+    from hfsdp.core.engine.mesh import build_meshes
+    from hfsdp.core.rules.config import LayoutConfig
 
     extra = {}
     if experts:
@@ -92,7 +92,7 @@ def diloco_run(rank, world, layout, diloco, steps, optimizer="adamw", data=micro
     import torch.distributed as dist
 
     from hfsdp.core import sharding_of
-    from hfsdp.core.collectives import record_comms
+    from hfsdp.core.buffers.collectives import record_comms
 
     from tests.support.toy_models import OPTIMIZERS
 
@@ -141,7 +141,7 @@ class OuterReference:
     """The outer optimizer of one model, unsharded: whole flat buffers per group, in one process."""
 
     def __init__(self, initial: list[torch.Tensor], config, pieces: int, instances: int):
-        from hfsdp.core.outer_codec import Codec
+        from hfsdp.core.outer.outer_codec import Codec
 
         self.config, self.pieces, self.instances = config, pieces, instances
         self.theta = [torch.nn.Parameter(t.clone()) for t in initial]

@@ -14,8 +14,8 @@ def train_sharded(rank, world, layout_kwargs, steps, microbatches, shape=None, c
     """Losses (and clipped norms) of `steps` optimizer steps under hfsdp on this gloo group."""
     import torch.distributed as dist
 
-    from hfsdp.core.clip import clip_grad_norm_
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.engine.clip import clip_grad_norm_
+    from hfsdp.core.rules.config import LayoutConfig
     from hfsdp.models.megatron.adapter import expert_naming_for, initialize_parallel, shard_megatron_model
     from hfsdp.models.megatron.cpu_shim import seed_megatron
     from hfsdp.models.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
@@ -58,7 +58,7 @@ def train_sharded(rank, world, layout_kwargs, steps, microbatches, shape=None, c
 
 def train_reference(rank, world, steps, shape=None, clip=None):
     """The same GPT in one process (world 1), whole global batches, torch.optim.AdamW."""
-    from hfsdp.core.config import LayoutConfig
+    from hfsdp.core.rules.config import LayoutConfig
     from hfsdp.models.megatron.adapter import expert_naming_for, initialize_parallel
     from hfsdp.models.megatron.cpu_shim import seed_megatron
     from hfsdp.models.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name

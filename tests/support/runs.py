@@ -76,7 +76,7 @@ class Run:
 
     def ranks(self) -> list[int]:
         """PIDs of the launcher's live rank processes (the current attempt's)."""
-        from hfsdp.cli.launch import rank_processes
+        from hfsdp.cli.launcher.launch import rank_processes
 
         return rank_processes(self.proc.pid)
 

@@ -13,7 +13,7 @@ there is nothing to finish yet, and the launcher prints the one line.
 import os as _os
 import signal as _signal
 
-from hfsdp.cli.run_dir import RUN_DIR_ENV as _RUN_DIR_ENV
+from hfsdp.cli.rank.run_dir import RUN_DIR_ENV as _RUN_DIR_ENV
 
 
 def _leave_quietly(signum: int, frame) -> None:

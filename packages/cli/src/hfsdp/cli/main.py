@@ -14,10 +14,10 @@ from typing import Annotated
 import typer
 
 from hfsdp.cli import help_format
-from hfsdp.cli.ckpt import app as ckpt_app
-from hfsdp.cli.plan import plan
-from hfsdp.cli.train import train
-from hfsdp.cli.validate import validate_config
+from hfsdp.cli.commands.ckpt import app as ckpt_app
+from hfsdp.cli.commands.plan import plan
+from hfsdp.cli.commands.train import train
+from hfsdp.cli.commands.validate import validate_config
 
 help_format.install()
 app = typer.Typer(

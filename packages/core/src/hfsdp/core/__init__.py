@@ -1,6 +1,6 @@
 """hfsdp.core: hybrid-sharded data parallelism for any PyTorch module.
 
-The public API, imported lazily so that `hfsdp.core.config` (and the CLI's
+The public API, imported lazily so that `hfsdp.core.rules.config` (and the CLI's
 `validate-config`) never pays for importing torch:
 
     from hfsdp.core import LayoutConfig, build_meshes, fully_shard, MixedPrecision
@@ -14,21 +14,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LayoutConfig": "hfsdp.core.config",
-    "ConfigError": "hfsdp.core.config",
-    "DiLoCoConfig": "hfsdp.core.outer_config",
-    "Strategy": "hfsdp.core.strategy",
-    "build_meshes": "hfsdp.core.mesh",
-    "HybridMeshes": "hfsdp.core.mesh",
-    "fully_shard": "hfsdp.core.module",
-    "HFSDPModule": "hfsdp.core.module",
-    "sharding_of": "hfsdp.core.sharding",
-    "MixedPrecision": "hfsdp.core.mixed_precision",
-    "clip_grad_norm_": "hfsdp.core.clip",
-    "global_grad_norm": "hfsdp.core.clip",
-    "param_groups": "hfsdp.core.main_params",
-    "register_elementwise": "hfsdp.core.main_params",
-    "FusedAdamW": "hfsdp.core.fused_adamw",
+    "LayoutConfig": "hfsdp.core.rules.config",
+    "ConfigError": "hfsdp.core.rules.config",
+    "DiLoCoConfig": "hfsdp.core.outer.outer_config",
+    "Strategy": "hfsdp.core.rules.strategy",
+    "build_meshes": "hfsdp.core.engine.mesh",
+    "HybridMeshes": "hfsdp.core.engine.mesh",
+    "fully_shard": "hfsdp.core.engine.module",
+    "HFSDPModule": "hfsdp.core.engine.module",
+    "sharding_of": "hfsdp.core.engine.sharding",
+    "MixedPrecision": "hfsdp.core.buffers.mixed_precision",
+    "clip_grad_norm_": "hfsdp.core.engine.clip",
+    "global_grad_norm": "hfsdp.core.engine.clip",
+    "param_groups": "hfsdp.core.engine.weight_decay",
+    "register_elementwise": "hfsdp.core.buffers.main_params",
+    "FusedAdamW": "hfsdp.core.kernels.fused_adamw",
 }
 
 __all__ = sorted(_EXPORTS)

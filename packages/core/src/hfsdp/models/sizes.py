@@ -11,7 +11,7 @@ largest public dense models have a vocabulary of 262,144, a hidden size of 16,38
 The whole model is not bounded here: a 70B or 405B model is a valid config to plan, to
 import and to describe. What limits it is the machine (`hfsdp train` builds the model
 whole in fp32 on every rank before sharding it, and checks that the machine can, before
-launch: `hfsdp.cli.memory_check`). Nothing here imports torch or transformers:
+launch: `hfsdp.cli.checks.memory_check`). Nothing here imports torch or transformers:
 `validate-config` and the planner call it for free.
 """
 

@@ -3,8 +3,8 @@
 The planner predicts, for every layout, the memory one rank needs (parameters, gradients,
 optimizer state, communication buffers, activations), the bytes each mesh axis carries per
 optimizer step, and the step time given the engine's overlap of communication with compute.
-Its layout arithmetic is the engine's own: the placement names (`hfsdp.core.placement_names`),
-`MeshLayout` (shard factors, padding) and the collective plan (`hfsdp.core.comm_plan.plan_for`),
+Its layout arithmetic is the engine's own: the placement names (`hfsdp.core.rules.placement_names`),
+`MeshLayout` (shard factors, padding) and the collective plan (`hfsdp.core.rules.comm_plan.plan_for`),
 applied to the same parameter groups `FlatParamGroup` builds (one per unit, mesh and dtype).
 The models behind each number and their measured error are in docs/planning.md.
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hfsdp.core.config import ConfigError, LayoutConfig
-from hfsdp.core.strategy import Strategy
+from hfsdp.core.rules.config import ConfigError, LayoutConfig
+from hfsdp.core.rules.strategy import Strategy
 from hfsdp.planning.activations import activations
 from hfsdp.planning.cluster import Cluster
 from hfsdp.planning.groups import groups_for, kinds

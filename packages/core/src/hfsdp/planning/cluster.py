@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hfsdp.core.layout import MeshLayout
+from hfsdp.core.rules.layout import MeshLayout
 
 INTRA, INTER = "intra-node", "inter-node"
 #: Dense peak TFLOP/s of one H200 by compute dtype (NVIDIA's figures: bf16 tensor cores; fp32 without TF32, which
@@ -45,7 +45,7 @@ class Cluster:
         On a row-major mesh every group along `axis` lies in a block of `rank_stride` x (the sizes
         of that axis and the later ones) consecutive ranks; the groups stay inside nodes when such
         blocks tile the nodes. `rank_stride` is the expert-parallel size for the expert mesh, whose
-        ranks interleave with the expert-parallel index (`hfsdp.core.mesh.build_mesh`).
+        ranks interleave with the expert-parallel index (`hfsdp.core.engine.mesh.build_mesh`).
         """
         block = rank_stride
         for a in layout.axes[axis:]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, cached_property
 
-from hfsdp.core.comm_plan import CommPlan, plan_for
-from hfsdp.core.config import LayoutConfig
-from hfsdp.core.layout import MeshLayout, dense_layout, expert_layout
-from hfsdp.core.placement_names import State
+from hfsdp.core.rules.comm_plan import CommPlan, plan_for
+from hfsdp.core.rules.config import LayoutConfig
+from hfsdp.core.rules.layout import MeshLayout, dense_layout, expert_layout
+from hfsdp.core.rules.placement_names import State
 from hfsdp.planning.model_shape import ModelShape
 
 

@@ -11,9 +11,9 @@ This follows `FlatParamGroup` call for call, from the group's `CommPlan`:
   range the previous one left: an all-reduce, or a reduce-scatter that narrows it;
 - after the optimizer step, the gather of the new weights over `plan.post_step_gather`.
 
-Bytes are the ring model of `hfsdp.core.collectives.CommRecord` (α(n)·size, twice that for an
+Bytes are the ring model of `hfsdp.core.buffers.collectives.CommRecord` (α(n)·size, twice that for an
 all-reduce), counted on the full side of each collective, so they equal what the
-collectives counter records in a real run, padding included (tests/core/test_plan_traffic.py).
+collectives counter records in a real run, padding included (tests/planning/test_plan_traffic.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 
-from hfsdp.core.layout import MeshLayout
-from hfsdp.core.placement_names import State
+from hfsdp.core.rules.layout import MeshLayout
+from hfsdp.core.rules.placement_names import State
 from hfsdp.planning.groups import Group, kinds, sharded_axes
 
 FORWARD, BACKWARD, MICROBATCH, FINAL, POST_STEP = "forward", "backward", "microbatch", "final", "post_step"
@@ -48,7 +48,7 @@ class Collective:
         return (2 if self.op == "all_reduce" else 1) * alpha * self.numel * self.element_size
 
     def record(self) -> tuple[str, str, int, int, int]:
-        """The fields `hfsdp.core.collectives.CommRecord` has, for comparing with a counted run."""
+        """The fields `hfsdp.core.buffers.collectives.CommRecord` has, for comparing with a counted run."""
         return (self.op, self.axis, self.group_size, self.numel, self.element_size)
 
 

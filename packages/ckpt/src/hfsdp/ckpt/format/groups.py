@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.index import GroupSpec
-from hfsdp.core.expert_naming import expert_index
+from hfsdp.core.rules.expert_naming import expert_index
 
 
 def canonical_groups(reports: list[list[GroupSpec]], ep: int) -> list[GroupSpec]:

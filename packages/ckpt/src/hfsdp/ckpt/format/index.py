@@ -142,7 +142,7 @@ class CheckpointIndex:
 
     def config(self):
         """The LayoutConfig the checkpoint was saved from (the schema check made sure it is a valid one)."""
-        from hfsdp.core.config import LayoutConfig
+        from hfsdp.core.rules.config import LayoutConfig
 
         return LayoutConfig(**self.layout)
 
@@ -187,7 +187,7 @@ def _entries_json(entries: dict[str, TensorEntry]) -> dict[str, Any]:
 
 def meshes_of(cfg) -> dict[str, Any]:
     """Names and shapes of the dense and expert meshes of `cfg`, for the index."""
-    from hfsdp.core.layout import dense_layout, expert_layout
+    from hfsdp.core.rules.layout import dense_layout, expert_layout
 
     dense, expert = dense_layout(cfg), expert_layout(cfg)
     out: dict[str, Any] = {"dense": {"names": list(dense.names), "shape": list(dense.shape)}, "expert": None}

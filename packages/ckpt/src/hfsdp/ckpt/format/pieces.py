@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass
 
 from hfsdp.ckpt.format.index import GroupSpec
-from hfsdp.core.config import LayoutConfig
-from hfsdp.core.expert_naming import expert_index
-from hfsdp.core.layout import MeshLayout, dense_layout, expert_layout
-from hfsdp.core.placement_names import State
+from hfsdp.core.rules.config import LayoutConfig
+from hfsdp.core.rules.expert_naming import expert_index
+from hfsdp.core.rules.layout import MeshLayout, dense_layout, expert_layout
+from hfsdp.core.rules.placement_names import State
 
 
 @dataclass(frozen=True)

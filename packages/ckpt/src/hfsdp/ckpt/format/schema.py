@@ -106,7 +106,7 @@ def parse_index(data: Any) -> CheckpointIndex:
 
 
 def _layout(value: Any) -> dict[str, Any]:
-    from hfsdp.core.config import ConfigError, LayoutConfig  # torch-free
+    from hfsdp.core.rules.config import ConfigError, LayoutConfig  # torch-free
 
     optional = tuple(f.name for f in dataclass_fields(LayoutConfig) if f.name != "world_size")
     layout = fields.an_object(value, "layout", ("world_size",), optional)
@@ -127,8 +127,8 @@ def _layout(value: Any) -> dict[str, Any]:
 def _outer(value: Any, version: int) -> dict[str, Any] | None:
     """DiLoCo's record: present exactly in format 4, with valid settings (`DiLoCoConfig`'s rules) and the number of
     optimizer steps done."""
-    from hfsdp.core.config import ConfigError  # torch-free
-    from hfsdp.core.outer_config import DiLoCoConfig
+    from hfsdp.core.outer.outer_config import DiLoCoConfig
+    from hfsdp.core.rules.config import ConfigError  # torch-free
 
     if version < 4:
         if value is not None:

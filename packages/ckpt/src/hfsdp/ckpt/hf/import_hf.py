@@ -37,7 +37,7 @@ from hfsdp.ckpt.hf.experts import fuse_expert_weights, missing_hint
 from hfsdp.ckpt.hf.model import Skeleton, skeleton
 from hfsdp.ckpt.hf.source import HFSource
 from hfsdp.ckpt.tensors.build import Progress, write_layout
-from hfsdp.core.config import LayoutConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 #: Weights must be floating point: a quantized checkpoint's integer codes are not weights.
 FLOAT_CODES = ("F64", "F32", "F16", "BF16")

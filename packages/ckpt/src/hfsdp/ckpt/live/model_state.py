@@ -15,8 +15,8 @@ from torch import nn
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.index import MAIN, MODEL, OUTER_ANCHOR, OUTER_MAIN, OUTER_MOMENTUM, GroupSpec
 from hfsdp.ckpt.tensors.writer import dtype_name
-from hfsdp.core.main_params import piece_of
-from hfsdp.core.sharding import Sharding, sharding_of
+from hfsdp.core.buffers.main_params import piece_of
+from hfsdp.core.engine.sharding import Sharding, sharding_of
 
 
 def engine_of(model) -> Sharding:

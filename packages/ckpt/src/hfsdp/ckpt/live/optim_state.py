@@ -1,7 +1,7 @@
 """A `torch.optim` optimizer's state in checkpoint terms: per-element kinds, per-parameter scalars, groups.
 
 Each rank's optimizer steps its main params: pieces `[start, stop)` of parameters
-(see `hfsdp.core.main_params`). Its state splits three ways, and each is stored so
+(see `hfsdp.core.buffers.main_params`). Its state splits three ways, and each is stored so
 that it reshards:
 
 - per-element tensors (AdamW's `exp_avg`, SGD's `momentum_buffer`): one more

@@ -20,7 +20,7 @@ from hfsdp.ckpt.format.model_record import checked_record
 from hfsdp.ckpt.format.staging import ensure_absent, staged_dir
 from hfsdp.ckpt.tensors.build import MemorySource, write_layout
 from hfsdp.ckpt.tensors.writer import dtype_name
-from hfsdp.core.config import LayoutConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 
 def write_from_tensors(

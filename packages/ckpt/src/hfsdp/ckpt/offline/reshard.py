@@ -38,7 +38,7 @@ from hfsdp.ckpt.format.store import resolve
 from hfsdp.ckpt.live import rng as rng_states
 from hfsdp.ckpt.tensors.build import Progress, slice_bytes, write_layout
 from hfsdp.ckpt.tensors.reader import CheckpointReader
-from hfsdp.core.config import LayoutConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 
 @dataclass(frozen=True)

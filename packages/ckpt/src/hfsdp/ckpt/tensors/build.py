@@ -30,7 +30,7 @@ from hfsdp.ckpt.format.files import checksum_like
 from hfsdp.ckpt.format.index import UNSHARDED, FileEntry, GroupSpec, Piece, TensorEntry
 from hfsdp.ckpt.format.pieces import Section, file_name, sections, tensor_key, unsharded_owner
 from hfsdp.ckpt.tensors.writer import TensorFileWriter
-from hfsdp.core.config import LayoutConfig
+from hfsdp.core.rules.config import LayoutConfig
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 #: dtype of every tensor, by (kind, name)

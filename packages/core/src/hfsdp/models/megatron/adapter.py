@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hfsdp.core.config import LayoutConfig
-from hfsdp.core.expert_naming import ExpertNaming
-from hfsdp.core.mesh import HybridMeshes, build_meshes, check_axis
-from hfsdp.core.mixed_precision import MixedPrecision
-from hfsdp.core.module import fully_shard
+from hfsdp.core.buffers.mixed_precision import MixedPrecision
+from hfsdp.core.engine.mesh import HybridMeshes, build_meshes, check_axis
+from hfsdp.core.engine.module import fully_shard
+from hfsdp.core.rules.config import LayoutConfig
+from hfsdp.core.rules.expert_naming import ExpertNaming
 from hfsdp.models.megatron.cpu_shim import apply_cpu_shim, define_missing_te_symbols
 
 

@@ -1,0 +1,108 @@
+"""The model a training run shards: the megatron-core GPT, or a Hugging Face causal LM (`--model-config`).
+
+Either way the result is the same few things the loop needs: the sharded model,
+its loss on a microbatch, the vocabulary its data must stay within, and the model
+record a checkpoint keeps (so an export knows what it holds). Units are the
+transformer layers in both; `--recompute` and `--compile` wrap their forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hfsdp.cli.settings.train_config import TrainConfig
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    sharded: Any  # the model, sharded in place by hfsdp.core.engine.module
+    loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+    vocab_size: int
+    record: dict[str, Any]
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> BuiltModel:
+    """Build, wrap and shard the run's model on `device` (collective: builds the meshes)."""
+    from hfsdp.core.buffers.mixed_precision import MixedPrecision
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=torch.float32)
+    if cfg.model_config is not None:
+        return _hugging_face(cfg, device, mp)
+    return _megatron_gpt(cfg, device, mp)
+
+
+def offload_of(cfg: TrainConfig) -> bool | float | str:
+    """What `fully_shard(offload=...)` gets: False, the share given by --offload-fraction (1: all), or "auto"."""
+    if cfg.offload != "optim":
+        return False
+    fraction = cfg.offload_fraction
+    if fraction == "auto":
+        return "auto"
+    fraction = float(fraction)
+    return True if fraction == 1.0 else fraction
+
+
+def _wrap_units(cfg: TrainConfig, units) -> None:
+    from hfsdp.core.engine.unit_forward import compile_units, recompute
+
+    if cfg.compile:
+        compile_units(units)
+    if cfg.recompute:
+        recompute(units)
+
+
+def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
+    from hfsdp.core.engine.mesh import build_meshes
+    from hfsdp.core.engine.module import fully_shard
+    from hfsdp.models import hf
+
+    config = hf.load_config(cfg.model_config)
+    model = hf.build_causal_lm(config, seed=cfg.seed).to(device)
+    units = hf.decoder_layers(model)
+    _wrap_units(cfg, units)
+    meshes = build_meshes(cfg.layout, device.type)
+    # The loss is computed outside the model, on its logits: free the root's parameters while it peaks.
+    sharded = fully_shard(
+        model,
+        cfg.layout,
+        meshes,
+        units=units,
+        mp=mp,
+        offload=offload_of(cfg),
+        reshard_root_after_forward=True,
+        diloco=cfg.diloco,
+    )
+    record = {"format": "transformers", "config": config.to_dict()}
+    return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record)
+
+
+def _megatron_gpt(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
+    from hfsdp.models.megatron.adapter import expert_naming_for, initialize_parallel, shard_megatron_model
+    from hfsdp.models.megatron.cpu_shim import seed_megatron
+    from hfsdp.models.megatron.gpt import GPTShape, build_gpt, lm_loss, reinit_by_global_name
+
+    layout = cfg.layout
+    initialize_parallel(layout)
+    seed_megatron(cfg.seed)
+    shape = GPTShape(
+        num_layers=cfg.layers,
+        hidden_size=cfg.hidden,
+        num_attention_heads=cfg.heads,
+        vocab_size=cfg.vocab,
+        seq_length=cfg.seq_len,
+        num_moe_experts=layout.num_moe_experts,
+        moe_router_topk=cfg.moe_topk,
+        normalization=cfg.normalization,
+        swiglu=cfg.swiglu,
+        num_query_groups=cfg.num_query_groups,
+    )
+    model = build_gpt(shape)
+    reinit_by_global_name(model, expert_naming_for(layout), cfg.seed)
+    model.to(device)
+    _wrap_units(cfg, list(model.decoder.layers))
+    sharded = shard_megatron_model(model, layout, device.type, mp, offload=offload_of(cfg), diloco=cfg.diloco)
+    return BuiltModel(sharded, lm_loss, cfg.vocab, {"format": "megatron-gpt", "config": shape.record()})

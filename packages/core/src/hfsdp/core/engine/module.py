@@ -1,0 +1,184 @@
+"""`fully_shard`: shard any module in place on the hybrid meshes, keeping the module users know.
+
+As FSDP2's `fully_shard` does, the module keeps its identity: its class becomes a dynamic
+subclass of its own class and `HFSDPModule` (`isinstance`, methods such as `generate`,
+attributes such as `config` all survive), its parameters keep their names, and outside
+forward and backward they are what an optimizer must step, this rank's fp32 main params, so
+`torch.optim.AdamW(model.parameters())` trains it. What the subclass adds or changes:
+
+- `set_microbatch(index, count)`: declare gradient accumulation (the last microbatch reduces
+  over every axis, the others only where the inner axis shards gradients);
+- `clip_grad_norm_(max_norm)`: the global norm over all ranks (as FSDP1's method; torch's
+  `torch.nn.utils.clip_grad_norm_` is made to compute the same on these parameters);
+- `state_dict()` / `load_state_dict()`: full, gathered to rank 0 on the CPU, loadable by the
+  unsharded model; loading writes the fp32 main weights (`state_dict.py`);
+- `zero_grad()`: frees the gradient buffers;
+- `.to(dtype)`, `.double()`, `.cuda()`, ... after sharding are refused with the right way
+  (MixedPrecision, build on the device), instead of moving parameters off the flat buffers;
+- `wait_for_weights()`: before reading parameters outside forward right after a step;
+- `sync_outer()`: with DiLoCo, the outer step of every fragment now (the global weights everywhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hfsdp.core.buffers.mixed_precision import MixedPrecision
+from hfsdp.core.engine.clip import clip_grad_norm_ as _clip
+from hfsdp.core.engine.clip import install_torch_clip
+from hfsdp.core.engine.mesh import HybridMeshes
+from hfsdp.core.engine.optimizer_hooks import install as install_optimizer_hooks
+from hfsdp.core.engine.sharding import ATTRIBUTE, Sharding, is_expert_param_default, sharding_of
+from hfsdp.core.engine.state_dict import full_state_dict, load_full_state_dict
+from hfsdp.core.engine.unit import UnitCall
+from hfsdp.core.engine.unit_forward import adopt_compile_wrappers
+from hfsdp.core.offload.offload_plan import check_offload
+from hfsdp.core.outer.outer_config import DiLoCoConfig
+from hfsdp.core.rules.config import LayoutConfig
+from hfsdp.core.rules.expert_naming import ExpertNaming
+
+
+class HFSDPModule(UnitCall):
+    """What a sharded module's class gains: mixed in before the module's own class, as FSDP2's FSDPModule is. Its call
+    is the root unit's (`UnitCall`): the root's parameters are gathered around the module's own call."""
+
+    def set_microbatch(self, index: int, count: int) -> None:
+        """Declare the next backward as microbatch `index` of `count` in this optimizer step (gradient
+        accumulation: the gradient is then that of the mean loss over all `count` microbatches and all ranks)."""
+        sharding_of(self).step.set_microbatch(index, count)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Scale the gradients so their global norm (over all ranks) is at most `max_norm`; return the norm
+        before (collective)."""
+        return _clip(self, max_norm, norm_type, error_if_nonfinite)
+
+    def wait_for_weights(self) -> None:
+        """Make the current stream wait for the weights the last optimizer step published.
+
+        The gathers of new weights run on a side stream and the next forward waits
+        for each unit's own; code that reads parameters outside forward right after
+        a step (an EMA, logging a norm) calls this first.
+        """
+        sharding_of(self).wait_for_weights()
+
+    def sync_outer(self) -> None:
+        """DiLoCo: run the outer step of every fragment now and republish (collective), so every instance computes
+        with the global weights (e.g. before an evaluation or an export at the end of a run). The outer steps the
+        schedule brings (every `sync_every` optimizer steps) run by themselves after `optimizer.step()`."""
+        sharding_of(self).sync_outer()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Free every gradient buffer; the next backward starts a new step's gradients."""
+        sharding_of(self).zero_grad()
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full state dict: on rank 0 every parameter whole, on the CPU, in the dtype it had when sharded; an
+        empty dict on the other ranks (collective: call it on every rank)."""
+        if args:
+            raise TypeError("state_dict() takes its arguments by keyword (destination=, prefix=, keep_vars=)")
+        full = full_state_dict(sharding_of(self))
+        out = {} if destination is None else destination
+        for key, value in full.items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Load a full state dict into the fp32 main weights (collective); every rank passes it, or rank 0 alone."""
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the parameters of a sharded module, which live in "
+                "hfsdp's flat buffers; load with assign=False (the values are copied into the main weights)."
+            )
+        return load_full_state_dict(sharding_of(self), dict(state_dict), strict)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Dtype and device moves would take the parameters (the main params, outside forward) off the flat
+        buffers: refuse any that changes one; one that changes nothing (`.float()`, `.to(device)` where they are)
+        goes through."""
+        sharding = sharding_of(self)
+        probes = {(g.main.dtype, g.main.device) for g in sharding.groups}
+        for dtype, device in probes:
+            moved = fn(torch.empty(0, dtype=dtype, device=device))
+            if moved.dtype != dtype or moved.device != device:
+                raise RuntimeError(
+                    f"{type(self).__name__} is sharded by hfsdp: converting it to {moved.dtype} on {moved.device} "
+                    "after fully_shard would move its parameters off hfsdp's flat buffers and freeze the model. "
+                    "Choose the compute dtype with fully_shard(..., mp=MixedPrecision(param_dtype=...)) (the fp32 "
+                    "main weights stay fp32), and move the model to its device before calling fully_shard."
+                )
+        return super()._apply(fn, recurse)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"HFSDP{cls.__name__}", (HFSDPModule, cls), {"__module__": cls.__module__})
+    return _SUBCLASSES[cls]
+
+
+def fully_shard(
+    module: nn.Module,
+    config: LayoutConfig,
+    meshes: HybridMeshes,
+    *,
+    units: Iterable[nn.Module],
+    mp: MixedPrecision | None = None,
+    is_expert: Callable[[str, nn.Parameter], bool] = is_expert_param_default,
+    expert_naming: ExpertNaming | None = None,
+    streams=None,
+    offload: bool | float | str = False,
+    reshard_root_after_forward: bool = False,
+    diloco: DiLoCoConfig | None = None,
+    offload_reserve: int | None = None,
+) -> nn.Module:
+    """Shard `module` in place on `meshes` and return it: each of `units` gets its own buffers, the root the rest.
+
+    - `mp`: the compute and reduction dtypes (default: each parameter's own, fp32 reductions);
+    - `is_expert(name, param)`: which parameters live on the expert mesh (default: megatron-core's mark);
+    - `expert_naming`: how local expert indices map to global ones (needed to checkpoint with ep > 1);
+    - `streams`: the streams to run collectives on (default: CUDA side streams on a GPU, none on a CPU);
+    - `offload`: keep the fp32 main weights and the optimizer state in host memory (the optimizer steps there):
+      True for all of it, a fraction from 0 to 1 for that share (whole units, the last ones first), or "auto"
+      for only what the device cannot hold, leaving `offload_reserve` bytes free (default: 10% of the device)
+      for activations (`offload_plan.py`);
+    - `reshard_root_after_forward`: free the root's parameters after forward. By default the root keeps them
+      through backward, as FSDP2's does: when the loss is computed inside the model (a megatron GPT), backward
+      needs them at once. When it is computed outside (a transformers model's logits), resharding frees them
+      while the loss and its gradient peak, at the price of gathering them again for backward;
+    - `diloco`: the outer step of a layout whose outer strategy is 'diloco' (required there, refused elsewhere):
+      every `sync_every` optimizer steps the instances' weights are averaged into the global weights by an outer
+      SGD, after `optimizer.step()`, by itself (`outer_sync.py`).
+    """
+    if isinstance(module, HFSDPModule):
+        raise ValueError(f"{type(module).__name__} is already sharded by hfsdp; call fully_shard once per model.")
+    units = adopt_compile_wrappers(module, list(units))
+    check_offload(offload)
+    if offload_reserve is not None and (isinstance(offload_reserve, bool) or not isinstance(offload_reserve, int)):
+        raise ValueError(f"offload_reserve must be a whole number of bytes (or None), got {offload_reserve!r}")
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError("the module has no parameter that requires a gradient: there is nothing to shard.")
+    sharding = Sharding(
+        module,
+        config,
+        meshes,
+        units,
+        mp=mp or MixedPrecision(),
+        is_expert=is_expert,
+        expert_naming=expert_naming,
+        streams=streams,
+        offload=offload,
+        reshard_root_after_forward=reshard_root_after_forward,
+        diloco=diloco,
+        offload_reserve=offload_reserve,
+    )
+    module.__dict__[ATTRIBUTE] = sharding
+    module.__class__ = _sharded_class(type(module))
+    install_optimizer_hooks()
+    install_torch_clip()
+    return module

@@ -1,0 +1,287 @@
+"""`FusedAdamW`: torch's AdamW as one pass per flat run of hfsdp's main params (opt-in).
+
+`torch.optim.AdamW(fused=True)` is already one kernel over the update (28 bytes per fp32 element), but
+a clipped bf16 step around it moves more: `clip_grad_norm_` reads the gradient for the norm and then
+reads and writes it again to scale it, and after the step each new fp32 weight is read again to be
+cast to bf16 for the next forward (where a bf16 shard is kept, or when the next gather casts it).
+`FusedAdamW` steps each contiguous run of a group's main params with `adamw_kernel.adamw_run`, which
+scales the gradient by the clip coefficient as it loads it and stores the new weights in the compute
+dtype beside the fp32 ones. Per element that is 28 + 2 bytes instead of 28 + 8 + 6.
+
+It is a `torch.optim.AdamW` (same constructor arguments, parameter groups, LR schedulers, and the
+state torch's AdamW keeps: `exp_avg`, `exp_avg_sq`, `step`), so checkpoints written with one load
+into the other. Its arithmetic is torch's AdamW formula in fp32, one rounding per operation; torch's
+own fused kernel computes parts of it in double, so the two agree to fp32 rounding, not bit for bit:
+that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
+
+- `max_grad_norm`: clip inside the step (the global norm over all ranks, as `hfsdp.core.clip_grad_norm_`
+  computes it, `grad_norm` keeps it for logging) instead of calling `clip_grad_norm_` before the step;
+  the result is the same, bit for bit, and the gradient is read once less.
+- `prestage_gathers`: where no compute-dtype shard is kept (ZeRO-3, HSDP, one GPU), write the next
+  forward's gather input during the step (allocated then, held until the unit's forward); the
+  gather then skips its cast. Each group's gradient buffer is freed as soon as it is stepped, so
+  the step itself needs less memory, not more.
+
+Each group's `exp_avg` and `exp_avg_sq` live in one flat buffer aligned with its main weights, and the
+per-parameter state entries are views into them; state loaded through `load_state_dict` is copied into
+them at the next step. Parameters that are not hfsdp main params are stepped one tensor at a time. Pieces
+offloaded to host memory are stepped by the plain-torch path on the CPU, slower than torch's fused CPU AdamW:
+with `offload`, `torch.optim.AdamW(fused=True)` is the better choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hfsdp.core.buffers.main_params import MainParam, piece_of
+from hfsdp.core.engine.clip import pieces_norm
+from hfsdp.core.kernels.adamw_kernel import AdamWScalars, adamw_run, triton
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class _Run:
+    """Consecutive pieces of one group, in one parameter group, at one step count: one kernel launch."""
+
+    start: int  # offset in the group's optimizer range
+    stop: int
+    options: dict
+    step: int
+    states: list[dict] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """AdamW (decoupled weight decay) stepping hfsdp's main params in one pass per contiguous run."""
+
+    #: What a checkpoint records as the optimizer's kind: the state is torch's AdamW's, so the two are interchangeable.
+    state_format = "AdamW"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: float | None = None,
+        prestage_gathers: bool = False,
+        backend: str = "auto",
+    ):
+        problems = _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage_gathers, backend)
+        if problems:
+            raise ValueError("FusedAdamW: " + "; ".join(problems) + ".")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
+        self.max_grad_norm, self.prestage_gathers, self.backend = max_grad_norm, prestage_gathers, backend
+        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
+        self.backends_used: set[str] = set()  # which implementations stepped (for benchmarks and tests)
+        self._moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(group) -> flat (exp_avg, exp_avg_sq)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for options in self.param_groups:
+            if options.get("amsgrad") or options.get("maximize"):
+                raise ValueError("FusedAdamW implements plain AdamW: amsgrad and maximize are not supported.")
+        by_group, loose = self._members()
+        coef = self._clip_coefficient(by_group, loose)
+        stepped = []
+        for group, members in by_group.values():
+            stepped.extend(self._step_group(group, members, coef))
+        for options, param in loose:
+            stepped.append(self._step_tensor(options, param, coef))
+        if stepped:
+            torch._foreach_add_(stepped, 1.0)
+        return loss
+
+    def _members(self):
+        """The parameters with a gradient: hfsdp pieces by group (engine order: collectives follow it), and the
+        rest. Each piece comes with its parameter group's options."""
+        by_group: dict[int, tuple[object, list[tuple[dict, MainParam]]]] = {}
+        loose = []
+        for options in self.param_groups:
+            for param in options["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("FusedAdamW does not support sparse gradients.")
+                piece = piece_of(param)
+                if piece is None:
+                    loose.append((options, param))
+                elif piece.holds:
+                    by_group.setdefault(id(piece.group), (piece.group, []))[1].append((options, piece))
+        order = {id(g): i for i, g in enumerate(_engine_groups(by_group))}
+        return dict(sorted(by_group.items(), key=lambda kv: order[kv[0]])), loose
+
+    def _clip_coefficient(self, by_group, loose) -> torch.Tensor | None:
+        if self.max_grad_norm is None:
+            return None
+        if loose:
+            raise ValueError(
+                "FusedAdamW(max_grad_norm=...) clips by the global norm of hfsdp's sharded gradients, but it also "
+                "steps tensors that are not an hfsdp model's parameters; clip those apart and leave max_grad_norm "
+                "unset."
+            )
+        pieces = [piece for options in self.param_groups for p in options["params"] if (piece := piece_of(p))]
+        # In the model's order, so the norm is summed exactly as hfsdp.core.clip_grad_norm_(model) sums it.
+        order = {}
+        for owner in {id(o): o for p in pieces if (o := p.group.owner()) is not None}.values():
+            order.update((id(q), len(order)) for q in owner.main_params)
+        pieces.sort(key=lambda p: order.get(id(p), len(order)))
+        norm = pieces_norm(pieces)  # collective: every rank steps, and computes the same global norm
+        self.grad_norm = norm
+        return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+
+    def _step_group(self, group, members: list[tuple[dict, MainParam]], coef) -> list[torch.Tensor]:
+        """Step every piece of `group` this optimizer holds; return their step counters (incremented by the caller)."""
+        exp_avg, exp_avg_sq = self._flat_moments(group)
+        mine = {id(piece) for _, piece in members}
+        whole = all(id(p) in mine for p in group.main_params if p.holds)
+        out = group.compute_weights_out(self.prestage_gathers and whole)
+        if out is not None and group.param_shard is None and not whole:
+            out = None  # a gather input must be written whole
+        main_grad = group.grads.main_grad
+        device_coef = coef.to(group.main.device) if coef is not None else None
+        for run in _runs(members, self.state, exp_avg, exp_avg_sq, main_grad):
+            lo, hi = run.start, run.stop
+            scalars = _scalars(run.options, run.step + 1)
+            grad = main_grad[lo:hi] if not run.grads else torch.cat([g.reshape(-1) for g in run.grads])
+            used = adamw_run(
+                group.main[lo:hi],
+                grad,
+                exp_avg[lo:hi],
+                exp_avg_sq[lo:hi],
+                scalars,
+                device_coef,
+                None if out is None else out[lo:hi],
+                self.backend,
+            )
+            self.backends_used.add(used)
+        if out is not None:
+            covered = max((p.offset + p.stop - p.start for _, p in members), default=0)
+            if group.param_shard is None:
+                out[covered:].zero_()  # the padding of a gather input: zero, as the cast of `main` would give
+            group.compute_weights_written()
+        steps = [self.state[piece.param]["step"] for _, piece in members]
+        if whole and self.prestage_gathers:
+            group.release_grads()  # stepped: its gradient buffer is free for the gather inputs written after it
+        return steps
+
+    def _flat_moments(self, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's flat `exp_avg`, `exp_avg_sq` (zeros at first), aligned with its main weights."""
+        found = self._moments.get(id(group))
+        if found is None:
+            found = (torch.zeros_like(group.main), torch.zeros_like(group.main))
+            self._moments[id(group)] = found
+        return found
+
+    def _step_tensor(self, options: dict, param: torch.Tensor, coef) -> torch.Tensor:
+        """A parameter that is no hfsdp piece: its own state tensors, stepped on their own."""
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        if param.dtype != torch.float32:
+            raise TypeError(f"FusedAdamW steps fp32 parameters; this one is {param.dtype}.")
+        data = param if param.is_contiguous() else param.contiguous()
+        scalars = _scalars(options, int(state["step"].item()) + 1)
+        grad = param.grad.reshape(-1).float().contiguous()
+        c = coef.to(param.device) if coef is not None else None
+        view = data.view(-1)
+        used = adamw_run(
+            view, grad, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), scalars, c, None, self.backend
+        )
+        self.backends_used.add(used)
+        if data is not param:
+            param.copy_(data)
+        return state["step"]
+
+
+def _scalars(options: dict, step: int) -> AdamWScalars:
+    beta1, beta2 = (float(b) for b in options["betas"])
+    lr, eps, decay = float(options["lr"]), float(options["eps"]), float(options["weight_decay"])
+    return AdamWScalars.of(lr, beta1, beta2, eps, decay, step)
+
+
+def _runs(members, state, exp_avg, exp_avg_sq, main_grad) -> list[_Run]:
+    """Cut the pieces of one group into runs, giving each piece its state (views into the flat moments, adopting
+    state loaded from a state dict). A piece whose gradient is not the view into the group's reduced gradient
+    (another reduce dtype: an fp32 copy) brings it along."""
+    runs: list[_Run] = []
+    for options, piece in sorted(members, key=lambda m: m[1].offset):
+        lo, hi = piece.offset, piece.offset + piece.stop - piece.start
+        entry = state[piece.param]
+        _adopt(entry, "exp_avg", exp_avg[lo:hi], piece.param.shape)
+        _adopt(entry, "exp_avg_sq", exp_avg_sq[lo:hi], piece.param.shape)
+        step = entry.get("step")
+        if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.dtype != torch.float32:
+            entry["step"] = step = torch.tensor(float(step or 0.0))
+        count = int(step.item())
+        grad = piece.param.grad
+        own = main_grad is None or grad.data_ptr() != main_grad[lo:].data_ptr() or not grad.is_contiguous()
+        last = runs[-1] if runs else None
+        joins = last is not None and last.stop == lo and last.options is options and last.step == count
+        if joins and bool(last.grads) == own:
+            last.stop = hi
+        else:
+            last = _Run(lo, hi, options, count)
+            runs.append(last)
+        last.states.append(entry)
+        if own:
+            last.grads.append(grad)
+    return runs
+
+
+def _adopt(entry: dict, key: str, flat: torch.Tensor, shape: torch.Size) -> None:
+    """Make `entry[key]` the view `flat`: copy a loaded tensor into it, or start at zero."""
+    current = entry.get(key)
+    if current is not None and current.data_ptr() == flat.data_ptr() and current.numel() == flat.numel():
+        return
+    if current is not None:
+        flat.copy_(current.reshape(-1))
+    entry[key] = flat.view(shape)
+
+
+def _engine_groups(by_group) -> list:
+    """The groups in their engine's order (every rank issues the norm's and the publish's collectives alike)."""
+    groups = [g for g, _ in by_group.values()]
+    ordered = []
+    for owner in {id(o): o for g in groups if (o := g.owner()) is not None}.values():
+        ordered.extend(g for g in owner.groups if any(g is h for h in groups))
+    ordered.extend(g for g in groups if not any(g is h for h in ordered))
+    return ordered
+
+
+def _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage, backend) -> list[str]:
+    def number(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    problems = []
+    if not number(lr) or lr < 0:
+        problems.append(f"lr must be a number >= 0 (a float, not a tensor), got {lr!r}")
+    if not (isinstance(betas, tuple | list) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not number(eps) or eps < 0:
+        problems.append(f"eps must be a number >= 0, got {eps!r}")
+    if not number(weight_decay) or weight_decay < 0:
+        problems.append(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+    if max_grad_norm is not None and (not number(max_grad_norm) or max_grad_norm <= 0):
+        problems.append(f"max_grad_norm must be None (no clipping) or a positive number, got {max_grad_norm!r}")
+    if not isinstance(prestage, bool):
+        problems.append(f"prestage_gathers must be True or False, got {prestage!r}")
+    if backend not in BACKENDS:
+        problems.append(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    elif backend == "triton" and triton is None:
+        problems.append("backend='triton' needs Triton, which does not import here (use 'auto' or 'torch')")
+    return problems
