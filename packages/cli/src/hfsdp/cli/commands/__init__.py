@@ -1,0 +1,1 @@
+"""The `hfsdp` commands, one module each (registered in `hfsdp.cli.main`)."""
