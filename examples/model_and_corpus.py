@@ -36,17 +36,9 @@ def main(model_dir: str, corpus: str) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     tokenizer.save_pretrained(model_dir)
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=344,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    shape = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = LlamaConfig(vocab_size=len(tokenizer), num_key_value_heads=2, max_position_embeddings=256, **shape)
+    config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, None
     LlamaForCausalLM(config).save_pretrained(model_dir)
     print(f"{model_dir}: a Llama of vocabulary {len(tokenizer):,} and its tokenizer; {corpus}: {len(texts)} documents")
 

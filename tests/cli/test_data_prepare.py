@@ -6,6 +6,7 @@ What the dataset holds (ids, EOS, the split, the sidecar) is tests/recipes/test_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,6 +72,17 @@ def test_a_corpus_becomes_a_dataset_with_a_summary_line(tmp_path, tok, corpus):
     assert line.startswith(f"wrote {tmp_path / 'data/c'}.bin/.idx: 27 documents, ") and "tokens/s" in line
     assert f"tokenizer {tok} (vocabulary 300)" in line and "held out" in line and "3 documents" in line
     assert written(tmp_path / "data") == ["c.bin", "c.idx", "c.meta.json", "c_val.bin", "c_val.idx"]
+
+
+def test_help_lists_every_flag_with_its_default():
+    from hfsdp.cli.main import app
+
+    out = CliRunner().invoke(app, ["data", "prepare", "-h"], env={"COLUMNS": "250", "TERM": "dumb"}).stdout
+    assert "Usage: hfsdp data prepare [OPTIONS] INPUT..." in out
+    for flag, default in [("--json-key", "text"), ("--workers", "one per usable CPU"), ("--validation-fraction", "0")]:
+        line = next(line for line in out.splitlines() if f" {flag} " in line)
+        assert f"[default: {default}" in line, line
+    assert all(f in out for f in ("--tokenizer", "--output", "--split-lines", "--skip-bad-lines", "--overwrite"))
 
 
 def test_a_missing_input_is_named(tmp_path, tok, corpus):
@@ -184,21 +196,15 @@ def test_settings_out_of_range_are_refused(tmp_path, tok, corpus):
 
 
 def _children(pid: int) -> list[int]:
-    """The live spawned workers among the children of `pid` (not multiprocessing's resource tracker)."""
-    out = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            listed = children.read_text().split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        for child in listed:
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                out.append(int(child))
-    return out
+    """The spawned workers among the processes whose parent is `pid` (not multiprocessing's resource tracker)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int(status.read_text().rsplit(")", 1)[1].split()[1])
+            command = (status.parent / "cmdline").read_bytes()
+            if parent == pid and b"spawn_main" in command and b"resource_tracker" not in command:
+                found.append(int(status.parent.name))
+    return found
 
 
 def _alive(pids: list[int]) -> list[int]:

@@ -22,13 +22,8 @@ from hfsdp.cli.report import say
 
 EXIT_REFUSED, EXIT_UNUSABLE = 1, 2
 
-app = typer.Typer(
-    name="data",
-    help="Prepare training data: text to a Megatron indexed dataset (PREFIX.bin, PREFIX.idx).",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
+HELP = "Prepare training data: text to a Megatron indexed dataset (PREFIX.bin, PREFIX.idx)."
+app = typer.Typer(name="data", help=HELP, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 
 
 def prepare(

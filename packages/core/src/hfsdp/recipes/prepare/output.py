@@ -5,11 +5,12 @@
 (`.NAME.prepare-<8 hex digits>/`), fsynced, and renamed into place one by one with SIGINT and SIGTERM held back,
 the sidecar last; on any failure, Ctrl-C included, the hidden directory is removed, so the prefix shows the old
 files or the new ones, never part of a run. A run killed outright (SIGKILL) cannot remove its hidden directory:
-the next run into the same prefix does, once no live process holds it (the writer holds an flock on it).
+the next run into the same prefix does, once no live process holds it (the writer holds an flock on its lock file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -24,6 +25,7 @@ from hfsdp.recipes.prepare.sources import Source, same_file
 SUFFIXES = (".bin", ".idx")
 SIDECAR = ".meta.json"
 VALIDATION = "_val"
+LOCK = ".lock"
 
 
 def validation_prefix(prefix: Path) -> Path:
@@ -85,7 +87,7 @@ class Staged:
         self.parent = prefix.parent
         self.pattern = f".{prefix.name}.prepare-"
         self.path = self.parent / f"{self.pattern}{secrets.token_hex(4)}"
-        self._lock: int | None = None
+        self._lock = None
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -100,14 +102,14 @@ class Staged:
                 f"--output {self.prefix}: cannot write in {self.parent} ({err.strerror or err}); check its rights or "
                 "choose another --output."
             ) from None
-        self._lock = _locked(self.path)
+        self._lock = _hold(self.path)
         return self
 
     def __exit__(self, kind, value, tb) -> None:
         with held():
-            shutil.rmtree(self.path, ignore_errors=True)  # after a publish, only the empty directory is left
+            shutil.rmtree(self.path, ignore_errors=True)  # after a publish, only the lock file is left
             if self._lock is not None:
-                os.close(self._lock)
+                self._lock.close()
 
     def publish(self) -> list[Path]:
         """Rename every staged file into place (the sidecar last), drop stale files of the prefix this run did not
@@ -117,40 +119,46 @@ class Staged:
             for name in names(self.prefix):
                 staged, final = self.file(name), self.parent / name
                 if staged.exists():
-                    _fsync(staged)
+                    with open(staged, "rb") as f:
+                        os.fsync(f.fileno())
                     os.replace(staged, final)
                     published.append(final)
                 elif final.exists():
                     final.unlink()
-            _fsync(self.parent)
+            _durable(self.parent)
         return published
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
+def _durable(directory: Path) -> None:
+    """fsync a directory: the renames into it survive a power cut once it is."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    with contextlib.ExitStack() as close:
+        close.callback(os.close, fd)
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def _locked(path: Path) -> int | None:
-    """An open descriptor of `path` holding an exclusive flock (None where the file system has no flock)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _hold(directory: Path):
+    """The lock file of a staging directory (made if missing), open and exclusively flocked: None where another
+    process holds it or the file system has no flock."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock = open(directory / LOCK, "rb+" if (directory / LOCK).exists() else "xb")  # noqa: SIM115 (held open)
     except OSError:
-        os.close(fd)
         return None
-    return fd
+    with contextlib.suppress(OSError):
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return lock
+    lock.close()
+    return None
 
 
 def _remove_stale(parent: Path, pattern: str) -> None:
-    """Remove the hidden directories of runs into this prefix that were killed: those no live writer locks."""
+    """Remove the hidden directories of runs into this prefix that were killed: those whose lock no one holds."""
     for entry in os.scandir(parent):
         if not entry.name.startswith(pattern) or not entry.is_dir(follow_symlinks=False):
             continue
-        fd = _locked(Path(entry.path))
-        if fd is not None:  # nobody holds it: its writer is dead
+        if not (Path(entry.path) / LOCK).exists():
+            continue  # a writer that has not locked it yet
+        lock = _hold(Path(entry.path))
+        if lock is not None:  # nobody holds it: its writer is dead
             shutil.rmtree(entry.path, ignore_errors=True)
-            os.close(fd)
+            lock.close()
