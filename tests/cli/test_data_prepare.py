@@ -117,6 +117,8 @@ def test_a_line_that_is_not_json_names_the_file_and_line(tmp_path, tok, corpus):
     err = fails(run(corpus, "--tokenizer", tok, "-o", tmp_path / "c"), 1, f"{corpus} line 32: not JSON (Expecting")
     assert "pass --skip-bad-lines to count and skip such lines; nothing was written" in err
     assert written(tmp_path) == []
+    assert run(corpus, "--tokenizer", tok, "-o", tmp_path / "new/dirs/c").returncode == 1
+    assert written(tmp_path) == []  # not even the directories --output would have needed
     result = run(corpus, "--tokenizer", tok, "-o", tmp_path / "c", "--skip-bad-lines")
     assert result.returncode == 0 and "31 documents" in result.stdout
     assert f"skipped 1 bad lines (the first: {corpus} line 32: not JSON" in result.stdout

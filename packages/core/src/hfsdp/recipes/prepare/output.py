@@ -88,12 +88,14 @@ class Staged:
         self.pattern = f".{prefix.name}.prepare-"
         self.path = self.parent / f"{self.pattern}{secrets.token_hex(4)}"
         self._lock = None
+        self._made: list[Path] = []  # the directories of --output this run created: removed again on failure
 
     def file(self, name: str) -> Path:
         return self.path / name
 
     def __enter__(self) -> Staged:
         try:
+            self._made = [d for d in (self.parent, *self.parent.parents) if not d.exists()]
             self.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale(self.parent, self.pattern)
             self.path.mkdir()
@@ -110,6 +112,9 @@ class Staged:
             shutil.rmtree(self.path, ignore_errors=True)  # after a publish, only the lock file is left
             if self._lock is not None:
                 self._lock.close()
+            for directory in self._made if kind is not None else []:  # deepest first; only if still empty
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
 
     def publish(self) -> list[Path]:
         """Rename every staged file into place (the sidecar last), drop stale files of the prefix this run did not
