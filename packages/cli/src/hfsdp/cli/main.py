@@ -15,6 +15,7 @@ import typer
 
 from hfsdp.cli import help_format
 from hfsdp.cli.commands.ckpt import app as ckpt_app
+from hfsdp.cli.commands.data import app as data_app
 from hfsdp.cli.commands.plan import plan
 from hfsdp.cli.commands.train import train
 from hfsdp.cli.commands.validate import validate_config
@@ -59,3 +60,4 @@ app.command("train", help=_help(train))(train)
 app.command("validate-config", help=_help(validate_config))(validate_config)
 app.command("plan", help=_help(plan))(plan)
 app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard, import (Hugging Face) and export checkpoints.")
+app.add_typer(data_app, name="data", help="Prepare training data: text to a Megatron indexed dataset.")

@@ -99,6 +99,8 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
                     "Megatron indexed dataset (PREFIX.bin and PREFIX.idx).",
                 )
             )
+        else:
+            problems += [Problem("--data-path", message) for message in _dataset(cfg)]
     if cfg.model_config is not None:
         _hf_model(cfg, problems)
     plan = Plan()
@@ -113,6 +115,23 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
     if problems:
         raise PreflightError(problems)
     return plan
+
+
+def _dataset(cfg: TrainConfig) -> list[str]:
+    """What the dataset's sidecar (written by `hfsdp data prepare`) says would fail in every rank: token ids past the
+    model's vocabulary, naming the tokenizer that made them; too few tokens; missing held-out files."""
+    from hfsdp.recipes.prepare import sidecar
+
+    if cfg.model_config is None:
+        vocab, model = cfg.vocab, f"the GPT (--vocab {cfg.vocab})"
+    else:
+        from hfsdp.models import hf
+
+        try:
+            vocab, model = hf.load_config(cfg.model_config).vocab_size, cfg.model_config
+        except hf.HFModelError:
+            return []  # the config's own problem is reported by _hf_model
+    return sidecar.problems(cfg.data_path, vocab, model, cfg.seq_len, cfg.eval_interval is not None)
 
 
 def _device(cfg: TrainConfig, local_ranks: int, problems: list[Problem]) -> None:

@@ -31,7 +31,7 @@ REPORT_GRACE_S = 10
 
 
 def train(**flags: Any) -> None:
-    """Train a megatron-core GPT with hybrid-sharded data parallelism.
+    """Train a megatron-core GPT or a Hugging Face causal LM with hybrid-sharded data parallelism.
 
     Everything is checked before any rank starts: the settings (the rules of validate-config),
     then --load, --save, --metrics, --data-path and the device. Exit codes: 0 done (or nothing

@@ -241,13 +241,17 @@ class _Silent:
 
 
 def _data(cfg: TrainConfig, vocab_size: int):
-    """The training stream and, with --eval-interval, a held-out stream it never shows."""
+    """The training stream and, with --eval-interval, a held-out stream it never shows: the held-out set `hfsdp data
+    prepare` wrote beside the dataset, else the dataset's (or the synthetic stream's) own split."""
     from hfsdp.recipes.data import IndexedTokens, SyntheticTokens
 
     data = IndexedTokens(cfg.data_path, cfg.seq_len) if cfg.data_path else SyntheticTokens(vocab_size, cfg.seq_len)
     if cfg.eval_interval is None:
         return data, None
-    return data.split()
+    from hfsdp.recipes.prepare.sidecar import validation_prefix
+
+    held_out = validation_prefix(cfg.data_path) if cfg.data_path else None  # hfsdp data prepare --validation-fraction
+    return (data, IndexedTokens(held_out, cfg.seq_len)) if held_out else data.split()
 
 
 def _schedule(settings: dict, opt, start: int):

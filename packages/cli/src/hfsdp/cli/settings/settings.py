@@ -347,7 +347,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--data-path",
         None,
         str,
-        "Prefix of a Megatron indexed dataset (PREFIX.bin, PREFIX.idx).",
+        "Prefix of a Megatron indexed dataset (PREFIX.bin, PREFIX.idx; hfsdp data prepare makes one).",
         path,
         default_text="a learnable synthetic stream",
     ),

@@ -1,0 +1,122 @@
+"""Megatron's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written from its specification, in bounded memory.
+
+This is the format megatron-core's `IndexedDataset` and `hfsdp train --data-path` read; it is written here without
+importing megatron-core (an optional extra of hfsdp-core). The `.bin` file is every sequence's tokens back to back,
+in one dtype. The `.idx` file, all little-endian:
+
+    magic   9 bytes  b"MMIDIDX\\x00\\x00"
+    version uint64   1
+    dtype   uint8    the tokens' dtype code (`DTYPE_CODES`)
+    S       uint64   the number of sequences
+    D       uint64   the number of document boundaries (documents + 1)
+    sizes   int32[S] tokens per sequence
+    pointers int64[S] byte offset of each sequence in the .bin
+    documents int64[D] sequence index where each document starts, then S
+
+Here every document is one sequence (as Megatron-LM's `preprocess_data.py` writes it without sentence splitting),
+so the document indices are 0, 1, ..., S. The writer streams tokens to the .bin as they come and spills the sizes to
+a side file, so memory stays bounded by a chunk however large the corpus: the index is assembled chunk by chunk at
+`finish()`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from hfsdp.recipes.prepare.errors import PrepareError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+#: megatron-core's `DType` codes (megatron/core/datasets/indexed_dataset.py).
+DTYPE_CODES = {
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+    np.dtype(np.float64): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.uint16): 8,
+}
+#: The dtypes tokens are written in, smallest first: the first whose range holds every id of the vocabulary.
+TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.int32))
+#: Entries of the sizes side file copied into the index per write (4 MiB of int32).
+CHUNK = 1 << 20
+
+
+def token_dtype(vocab_size: int, tokenizer: str) -> np.dtype:
+    """uint16 when every id of a `vocab_size` vocabulary fits (at most 65,536 tokens), else int32; refused beyond."""
+    for dtype in TOKEN_DTYPES:
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return dtype
+    most = np.iinfo(TOKEN_DTYPES[-1]).max + 1
+    raise PrepareError(
+        f"the tokenizer {tokenizer} has a vocabulary of {vocab_size:,} tokens, more than the {most:,} ids the "
+        f"indexed format's largest token dtype ({TOKEN_DTYPES[-1].name}) can hold; use a tokenizer with a smaller "
+        "vocabulary."
+    )
+
+
+class IndexedWriter:
+    """Appends documents to `prefix.bin`, spills their sizes beside it, and writes `prefix.idx` at `finish()`."""
+
+    def __init__(self, prefix: Path, dtype: np.dtype):
+        self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
+        self.documents = self.tokens = 0
+        self._bin = open(self.prefix.with_name(self.prefix.name + ".bin"), "wb")  # noqa: SIM115 (closed in finish)
+        self._sizes = open(self.prefix.with_name(self.prefix.name + ".sizes"), "w+b")  # noqa: SIM115
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: `tokens` back to back (already in the writer's dtype), `lengths` tokens each."""
+        if len(lengths) == 0:
+            return
+        if int(lengths.max()) > np.iinfo(np.int32).max:
+            raise PrepareError(
+                f"a document of {int(lengths.max()):,} tokens is longer than the indexed format's sizes (int32) can "
+                "record; split it (one document per line: --split-lines)."
+            )
+        self._bin.write(memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)))
+        self._sizes.write(memoryview(lengths.astype(np.int32)))
+        self.documents += len(lengths)
+        self.tokens += int(tokens.size)
+
+    def finish(self) -> None:
+        """Close the .bin, write the .idx from the spilled sizes, drop the side file (publishing makes them durable)."""
+        self._bin.close()
+        sizes = self._sizes
+        with open(self.prefix.with_name(self.prefix.name + ".idx"), "wb") as idx:
+            idx.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", DTYPE_CODES[self.dtype]))
+            idx.write(struct.pack("<Q", self.documents) + struct.pack("<Q", self.documents + 1))
+            for chunk in _chunks(sizes):
+                idx.write(memoryview(chunk))
+            offset = 0
+            for chunk in _chunks(sizes):
+                ends = np.cumsum(chunk, dtype=np.int64) * self.dtype.itemsize + offset
+                idx.write(memoryview(np.concatenate(([offset], ends[:-1])).astype(np.int64)))
+                offset = int(ends[-1])
+            for start in range(0, self.documents + 1, CHUNK):
+                idx.write(memoryview(np.arange(start, min(start + CHUNK, self.documents + 1), dtype=np.int64)))
+        sizes.close()
+        os.unlink(sizes.name)
+
+    def close(self) -> None:
+        """Close the files without finishing (the staging they are in is being removed)."""
+        self._bin.close()
+        self._sizes.close()
+
+
+def _chunks(sizes):
+    """The spilled sizes, `CHUNK` entries at a time."""
+    sizes.flush()
+    sizes.seek(0)
+    while chunk := sizes.read(CHUNK * 4):
+        yield np.frombuffer(chunk, dtype=np.int32)
+
+
+def output_files(prefix: Path) -> tuple[Path, Path]:
+    """(`prefix.bin`, `prefix.idx`): the files a prefix names."""
+    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")

@@ -1,0 +1,228 @@
+"""The corpus: which files are read how, cut into batches of raw lines, and what each line means as a document.
+
+A file's kind follows its name: `.jsonl`, `.ndjson` and `.json` are JSON Lines (one object per line, the text under
+`json_key`), `.parquet` is a table (the text in the column `json_key`; needs pyarrow), anything else is plain
+UTF-8 text: one document per file, or per non-blank line with `split_lines`. Every input is checked before anything
+is tokenized (it exists, is a regular file, can be read), so a typo costs a message, not a half-run.
+
+The parent process only reads bytes and cuts them into batches of about `BATCH_BYTES`; decoding, JSON parsing and
+tokenizing happen in the worker processes (`documents`, called by `encode.py`), which report every bad line by its
+number, so one slow core never parses for all of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hfsdp.recipes.prepare.errors import PathError, PrepareError
+
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARQUET_SUFFIX = ".parquet"
+#: Input bytes per batch a worker tokenizes: large enough that passing it costs little, small enough to keep memory
+#: bounded (a few batches per worker are in flight) and the progress bar moving.
+BATCH_BYTES = 1 << 20
+PARQUET_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    kind: str  # "json", "lines", "file" or "parquet"
+    size: int
+
+
+@dataclass
+class Batch:
+    """Documents to tokenize: raw lines (json, lines), one whole file (file) or a parquet column's values (rows)."""
+
+    source: int  # index of the Source
+    first: int  # number (from 1) of items[0]'s line or row in its file; 1 for a whole file
+    kind: str
+    items: list
+    nbytes: int  # input bytes this batch stands for (progress)
+
+
+def check_inputs(paths: list[str], split_lines: bool, json_key: str) -> list[Source]:
+    """Every input as a Source, or PathError naming the first that cannot be read."""
+    sources = []
+    for given in paths:
+        path = Path(given)
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            raise PathError(f"the input {given} does not exist; check the path.") from None
+        except OSError as err:
+            raise PathError(f"the input {given} cannot be read ({err.strerror or err}); check the path.") from None
+        if stat.S_ISDIR(info.st_mode):
+            raise PathError(
+                f"the input {given} is a directory; give the files in it (e.g. {path / '*.jsonl'}), each of which is "
+                "read by its name: JSON Lines, parquet or text."
+            )
+        if not stat.S_ISREG(info.st_mode):
+            raise PathError(
+                f"the input {given} is not a regular file (a FIFO, a device or a socket): prepare reads files whose "
+                "size it knows, and never waits on a pipe. Write it to a file first."
+            )
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as err:
+            raise PathError(f"the input {given} cannot be read ({err.strerror or err}); check its rights.") from None
+        sources.append(Source(path, _kind(path, split_lines), info.st_size))
+    if any(s.kind == "parquet" for s in sources) and importlib.util.find_spec("pyarrow") is None:
+        first = next(s.path for s in sources if s.kind == "parquet")
+        raise PathError(
+            f"reading the parquet file {first} needs pyarrow, which is not installed; `pip install pyarrow`, or "
+            f"convert it to JSON Lines (one object per line, the text under '{json_key}')."
+        )
+    return sources
+
+
+def _kind(path: Path, split_lines: bool) -> str:
+    suffix = path.suffix.lower()
+    if suffix in JSON_SUFFIXES:
+        return "json"
+    if suffix == PARQUET_SUFFIX:
+        return "parquet"
+    return "lines" if split_lines else "file"
+
+
+def batches(sources: list[Source], json_key: str) -> Iterator[Batch]:
+    """Every source's documents-to-be, in order, about `BATCH_BYTES` of input at a time."""
+    for index, source in enumerate(sources):
+        try:
+            if source.kind == "file":
+                yield Batch(index, 1, "file", [source.path.read_bytes()], source.size)
+            elif source.kind == "parquet":
+                yield from _parquet(index, source, json_key)
+            else:
+                yield from _lines(index, source)
+        except OSError as err:
+            raise PathError(f"reading {source.path} failed ({err.strerror or err}); nothing was written.") from None
+
+
+def _lines(index: int, source: Source) -> Iterator[Batch]:
+    kind = "json" if source.kind == "json" else "line"
+    items: list[bytes] = []
+    first, size = 1, 0
+    with open(source.path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            items.append(line)
+            size += len(line)
+            if size >= BATCH_BYTES:
+                yield Batch(index, first, kind, items, size)
+                items, first, size = [], number + 1, 0
+    if items:
+        yield Batch(index, first, kind, items, size)
+
+
+def _parquet(index: int, source: Source, column: str) -> Iterator[Batch]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(source.path)
+    except Exception as err:  # pyarrow's own errors: not a parquet file, a damaged footer
+        raise PrepareError(f"{source.path} cannot be read as parquet ({err}); check the file.") from None
+    names = table.schema_arrow.names
+    if column not in names:
+        raise PrepareError(
+            f"{source.path} has no column '{column}' (its columns: {', '.join(names[:20])}); name the text column "
+            "with --json-key."
+        )
+    rows = max(1, table.metadata.num_rows)
+    first = 1
+    for part in table.iter_batches(batch_size=PARQUET_ROWS, columns=[column]):
+        values = part.column(0).to_pylist()
+        yield Batch(index, first, "row", values, source.size * len(values) // rows)
+        first += len(values)
+
+
+def documents(batch: Batch, json_key: str) -> tuple[list[str], list[tuple[int, str]], int]:
+    """(texts, bad, empty) of a batch: its documents' texts, each bad item's (line or row number, what is wrong),
+    and how many items held no text (blank lines, empty strings): these are skipped, not documents."""
+    texts: list[str] = []
+    bad: list[tuple[int, str]] = []
+    empty = 0
+    for number, item in enumerate(batch.items, batch.first):
+        try:
+            text = _text(batch.kind, item, json_key)
+        except ValueError as err:
+            bad.append((_line_of(batch.kind, item, err, number), str(err)))
+            continue
+        if text is None or not text.strip():
+            empty += 1
+        else:
+            texts.append(text)
+    return texts, bad, empty
+
+
+def _text(kind: str, item, json_key: str) -> str | None:
+    """The document an item holds (None for a blank JSON line); ValueError saying what is wrong with it."""
+    if kind == "row":
+        if item is None:
+            raise ValueError("the value is null")
+        if not isinstance(item, str):
+            raise ValueError(f"the value is {type(item).__name__}, not text")
+        return item
+    if kind == "json":
+        if not item.strip():
+            return None
+        try:
+            value = json.loads(item)
+        except UnicodeDecodeError as err:
+            raise ValueError(_not_utf8(err, "line")) from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object (JSON Lines: one object per line)")
+        if json_key not in value:
+            keys = ", ".join(repr(k) for k in list(value)[:8]) or "none"
+            raise ValueError(f"no key '{json_key}' (its keys: {keys}; choose the text's with --json-key)")
+        text = value[json_key]
+        if not isinstance(text, str):
+            raise ValueError(f"'{json_key}' holds {type(text).__name__}, not text")
+        return text
+    try:
+        text = item.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _DecodeError(_not_utf8(err, "file" if kind == "file" else "line"), err.start) from None
+    return text.removesuffix("\n").removesuffix("\r") if kind == "line" else text
+
+
+class _DecodeError(ValueError):
+    def __init__(self, message: str, offset: int):
+        super().__init__(message)
+        self.offset = offset
+
+
+def _not_utf8(err: UnicodeDecodeError, where: str) -> str:
+    return f"not UTF-8 text (byte 0x{err.object[err.start]:02x} at byte {err.start + 1} of the {where})"
+
+
+def _line_of(kind: str, item, err: ValueError, number: int) -> int:
+    """The line a bad item is on: its own number, or in a whole file, the line of the first byte not UTF-8."""
+    if kind == "file" and isinstance(err, _DecodeError):
+        return item.count(b"\n", 0, err.offset) + 1
+    return number
+
+
+def describe(source: Source, number: int) -> str:
+    """Where a bad item is, as a message names it."""
+    return f"{source.path} {'row' if source.kind == 'parquet' else 'line'} {number}"
+
+
+def total_bytes(sources: list[Source]) -> int:
+    return sum(s.size for s in sources)
+
+
+def same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
