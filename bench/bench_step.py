@@ -164,6 +164,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused", help="torch AdamW implementation")
     p.add_argument(
+        "--liger",
+        action="store_true",
+        help="llama: Liger's Triton kernels (liger-kernel from the package registry) for every engine: RMSNorm, "
+        "SwiGLU, RoPE, and the output projection fused with the cross-entropy (no logits tensor)",
+    )
+    p.add_argument(
         "--offload",
         action="store_true",
         help="optimizer in host memory: hfsdp offload=True, FSDP2 CPUOffloadPolicy (parameters on the host too)",
@@ -413,14 +419,31 @@ def units_of(model) -> list:
     return list(model.model.layers) if hasattr(model, "model") else list(model.decoder.layers)
 
 
+#: Set by --liger: the output projection and the loss are one Liger kernel, which never builds the logits.
+FUSED_LINEAR_CROSS_ENTROPY = False
+
+
 def loss_of(model, tokens, labels):
     if hasattr(getattr(model, "module", model), "model"):  # a transformers causal LM, sharded or not
         from hfsdp.models.hf import causal_lm_loss
 
+        if FUSED_LINEAR_CROSS_ENTROPY:  # Liger's forward: `shift_labels` are the next tokens, as `labels` here
+            return model(input_ids=tokens, shift_labels=labels, use_cache=False, skip_logits=True).loss
         return causal_lm_loss(model, tokens, labels)
     from hfsdp.models.megatron.gpt import lm_loss
 
     return lm_loss(model, tokens, labels)
+
+
+def apply_liger() -> None:
+    """Patch transformers' Llama with Liger's kernels, before any model is built (the classes change)."""
+    global FUSED_LINEAR_CROSS_ENTROPY
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
+    )
+    FUSED_LINEAR_CROSS_ENTROPY = True
 
 
 def maybe_compile(args, model) -> None:
@@ -1174,6 +1197,8 @@ def _main(args, device, rank, world) -> int:
     layouts = parse_layouts(args.layouts, world)
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     shape = gpt_shape(args) if args.model == "gpt" else llama_config(args)
+    if args.liger:
+        apply_liger()
     timers = CallTimers()
     if args.timing or args.profile:
         install_comm_timers(timers)
