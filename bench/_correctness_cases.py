@@ -55,10 +55,13 @@ class Case:
     style: str = "eager"
     option: str = ""
     repeat: int = 0  # the how-many-th run of the same case in this process
+    layout: str = ""  # "" ZeRO-3 over every rank; "hsdp" / "hfsdp": 2 instances (FSDP2: HSDP on the same mesh)
 
     @property
     def name(self) -> str:
-        return "/".join(x for x in (self.engine, self.style, self.option) if x)
+        return "/".join(x for x in (self.engine, self.style, self.option) if x) + (
+            f"@{self.layout}" if self.layout else ""
+        )
 
     @property
     def kernels(self) -> str:
@@ -68,17 +71,19 @@ class Case:
 
     @property
     def exact(self) -> bool:
-        """Whether the case runs the reference's arithmetic op for op (it may differ only in the order of a few
-        sums), or rounds otherwise by design: offload steps AdamW on the CPU, FusedAdamW is its own kernel."""
-        return self.option not in ("offload", "fused", "fused_clip_prestage")
+        """Whether the case runs its witness's arithmetic op for op (it may differ only in the order of a few
+        sums), or rounds otherwise by design: offload steps AdamW on the CPU, FusedAdamW is its own kernel, and a
+        hybrid layout sums the gradients over two axes, in another order than FSDP2's HSDP."""
+        return self.option not in ("offload", "fused", "fused_clip_prestage") and not self.layout
 
     @property
     def witnesses(self) -> list[str]:
         """The cases this one is checked against: the reference of the same kernels and FSDP2's where FSDP2 runs
         them. A compiled whole model has FSDP2 alone: the plain model compiles its root (embedding, norm, head)
         into one graph, which hfsdp's and FSDP2's root hooks break into several, fused otherwise."""
-        fsdp2 = [] if self.option else [Case("fsdp2", self.kernels).name]
-        return fsdp2 if self.style == "model" else [self.reference_name, *fsdp2]
+        hybrid = "hsdp" if self.layout else ""
+        fsdp2 = [] if self.option else [Case("fsdp2", self.kernels, layout=hybrid).name]
+        return fsdp2 if self.style == "model" or self.layout else [self.reference_name, *fsdp2]
 
     @property
     def reference_name(self) -> str:
@@ -225,7 +230,11 @@ class Fsdp2:
         self.shape = shape
         model = build_llama(shape, device)
         compile_units(model, case.style)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+        world = dist.get_world_size()
+        if case.layout:  # HSDP: replicate over 2 instances, shard inside each
+            mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -269,7 +278,8 @@ class Hfsdp:
         compile_units(model, case.style)
         if case.option == "recompute":
             recompute(model.model.layers)
-        cfg = LayoutConfig(world_size=dist.get_world_size())
+        hybrid = {"hsdp": {"instances": 2}, "hfsdp": {"instances": 2, "outer": "optim"}}.get(case.layout, {})
+        cfg = LayoutConfig(world_size=dist.get_world_size(), **hybrid)
         self.model = fully_shard(
             model,
             cfg,

@@ -16,6 +16,14 @@
 #   l13           hfsdp at 13.0B (Llama-2-13B's shape, recompute, offload='auto'), alone, with the host's free memory
 #                 sampled every second into OUT/l13-mem.log: why the largest-model search's first try fails
 #   fsdp2big      FSDP2 CPUOffloadPolicy at 11.75B, the largest size hfsdp trains (predicted not to fit the host)
+#   correct       bench/gpu_correctness.py: determinism, agreement with a plain reference and FSDP2, the stream
+#                 sanitizer (report.md and results.json in OUT/correct)
+#   default3b     the 3.0B Llama with hfsdp train's defaults (FusedAdamW, clip in its step, prestaged gathers) against
+#                 torch's AdamW, FSDP2, Megatron-FSDP and the model alone; MFU; the bandwidth floor
+#   e095, c095    the 0.95B Llama (16 x 2048, micro-batch 4), eager and with unit.compile(): hfsdp's default, FSDP2,
+#                 Megatron-FSDP (and its v2, eager), the model alone
+#   mfu3b         the 3.0B compiled, and compiled with Liger's kernels (RMSNorm, SwiGLU, RoPE, output projection fused
+#                 with the loss): hfsdp's default and the model alone
 #   two           2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1 of both 0.95B models, hfsdp and hfsdp+fused+clip vs FSDP2
 # A phase that would not fit in what is left of BUDGET seconds is skipped, and says so; a failed phase does not stop
 # the next. Full logs and JSON stay in OUT_DIR; the summary (bench/perf_summary.py) is printed last.
@@ -60,6 +68,8 @@ BENCH="$BENCH --dtype bf16 --build-on-device"
 L3B="--layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8 --micro-batch-size 2"
 L67="--layers 32 --hidden 4096 --ffn 11008 --heads 32 --micro-batch-size 1"
 VARIANTS="hfsdp,hfsdp+fused,hfsdp+fused+clip,hfsdp+fused+clip+prestage"
+DEFAULT="hfsdp+fused+clip+prestage"  # what hfsdp train runs on a GPU
+L095="--layers 16 --hidden 2048 --ffn 5632 --heads 16 --micro-batch-size 4"
 for name in $phases; do
   case $name in
     env)
@@ -67,6 +77,18 @@ for name in $phases; do
         python3 -c "import torch, triton, transformers, sys; print(sys.version.split()[0], torch.__version__,
         triton.__version__, transformers.__version__, torch.cuda.device_count())"; head -3 /proc/meminfo; nproc' ;;
     check) phase check 30 120 python3 bench/perf_checks.py --out "$out/checks.json" ;;
+    correct) phase correct 150 300 python3 bench/gpu_correctness.py "$out/correct" ;;
+    default3b)
+      phase default3b 120 240 $BENCH $L3B --steps 5 --warmup 2 --floor --engines "$DEFAULT,hfsdp,fsdp2,mfsdp,model" \
+        --out "$out/default3b.json" ;;
+    e095) phase e095 60 150 $BENCH $L095 --steps 8 --warmup 3 --engines "$DEFAULT,fsdp2,mfsdp,mfsdp2,model" \
+        --out "$out/e095.json" ;;
+    c095) phase c095 120 240 $BENCH $L095 --steps 8 --warmup 3 --compile --engines "$DEFAULT,fsdp2,mfsdp,model" \
+        --out "$out/c095.json" ;;
+    mfu3b)
+      phase mfu3b 100 200 $BENCH $L3B --steps 5 --warmup 2 --compile --engines "$DEFAULT,model" --out "$out/mfu3b.json"
+      phase mfu3bliger 100 200 $BENCH $L3B --steps 5 --warmup 2 --compile --liger --engines "$DEFAULT,model" \
+        --out "$out/mfu3bliger.json" ;;
     floor3b)
       phase floor3b 90 240 $BENCH $L3B --steps 6 --warmup 2 --floor --engines "$VARIANTS,fsdp2,model" \
         --out "$out/floor3b.json" ;;
