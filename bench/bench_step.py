@@ -26,6 +26,9 @@ previous model is freed before the next is built):
   reshard_after_forward=False (SHARD_GRAD_OP: parameters stay gathered from forward
   to backward but are sharded between steps, unlike ZeRO-2). FSDP2 has no
   ZeRO-1/DDP; those layouts run hfsdp only.
+- `mfsdp`, `mfsdp2`: Megatron-FSDP's `fully_shard` and its experimental v2 (the
+  `megatron-fsdp` package, not a dependency of hfsdp: install it beside), on the same
+  mesh, data and AdamW; `_megatron_fsdp.py` says how each is set up and what differs.
 - `plain`: the unsharded model on rank 0 alone (other ranks wait), fp32 parameters,
   the same torch.optim.AdamW, rank 0's share of the work (M microbatches of
   micro-batch-size). With --dtype bf16 it runs under torch.autocast(bf16) on CUDA; on
@@ -116,7 +119,7 @@ LAYOUTS = {
     "hfsdp": ("optim", "optim_grads_params"),
 }
 SEED = 1234
-ENGINES = ("hfsdp", "fsdp2", "plain", "model")
+ENGINES = ("hfsdp", "fsdp2", "mfsdp", "mfsdp2", "plain", "model")
 #: hfsdp engine variants, `hfsdp+fused[+clip][+prestage]`: FusedAdamW instead of torch's fused AdamW, the clip inside
 #: its step, the next forward's gather input written by the step.
 VARIANT_PARTS = ("fused", "clip", "prestage")
@@ -415,6 +418,14 @@ def build_model(cfg, shape, device: torch.device, init_groups: bool = True, on_d
     return model.to(device)
 
 
+def cast_parameters(model, dtype: torch.dtype | None) -> None:
+    """The parameters alone into the compute dtype, as a mixed-precision engine computes with them: `model.to` would
+    cast the buffers too, and a Llama's rotary inverse frequencies in bf16 move a 3B model's first loss by 2e-3."""
+    if dtype is not None:
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+
+
 def units_of(model) -> list:
     return list(model.model.layers) if hasattr(model, "model") else list(model.decoder.layers)
 
@@ -620,22 +631,29 @@ class TorchOptimizerEngine(Engine):
         return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
 
 
+def device_mesh_of(layout: Layout, device: torch.device, tensor_parallel_axis: bool = False):
+    """("dp_outer", "dp_shard") for R > 1, ("dp_shard",) for R = 1: the mesh FSDP2 and Megatron-FSDP run on. With
+    `tensor_parallel_axis` a trailing ("tp",) of size 1, which Megatron-FSDP v1 requires even without TP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = (layout.inner_size,), ("dp_shard",)
+    if layout.instances > 1:
+        shape, names = (layout.instances, *shape), ("dp_outer", *names)
+    if tensor_parallel_axis:
+        shape, names = (*shape, 1), (*names, "tp")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
 class Fsdp2Engine(TorchOptimizerEngine):
     kind = "fsdp2"
 
     def __init__(self, args, timers, compute_dtype, cfg, shape, device, layout: Layout):
         super().__init__(args, timers, compute_dtype)
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         model = build_model(cfg, shape, device, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
-        if layout.instances > 1:
-            mesh = init_device_mesh(
-                device.type, (layout.instances, layout.inner_size), mesh_dim_names=("dp_outer", "dp_shard")
-            )
-        else:
-            mesh = init_device_mesh(device.type, (layout.inner_size,), mesh_dim_names=("dp_shard",))
+        mesh = device_mesh_of(layout, device)
         self.hybrid = layout.instances > 1
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         reshard = layout.inner == "optim_grads_params"
@@ -659,6 +677,55 @@ class Fsdp2Engine(TorchOptimizerEngine):
         loss = loss_of(self.model, tokens, labels)
         (loss / count).backward()
         return loss.detach()
+
+
+class MegatronFsdpEngine(TorchOptimizerEngine):
+    """Megatron-FSDP v1 (`mfsdp`) or its experimental v2 (`mfsdp2`): `_megatron_fsdp.py` says how each is set up."""
+
+    def __init__(self, args, timers, compute_dtype, cfg, shape, device, layout: Layout, kind: str):
+        super().__init__(args, timers, compute_dtype)
+        import _megatron_fsdp as mf
+
+        if args.offload:
+            raise ValueError("--offload: Megatron-FSDP has no optimizer offload; leave mfsdp out of --engines")
+        self.kind = kind
+        model = build_model(cfg, shape, device, on_device=args.build_on_device)
+        self.params, self.flops_per_token = flops_per_token(model, shape)
+        cast_parameters(model, compute_dtype)  # Megatron-FSDP computes in the model's dtype, fp32 main weights beside
+        maybe_compile(args, model)
+        mesh = device_mesh_of(layout, device, tensor_parallel_axis=kind == "mfsdp")
+        units = units_of(model)
+        if kind == "mfsdp":
+            self.model, self.opt = mf.shard_v1(model, type(units[0]), layout, mesh, device, args.lr, args.weight_decay)
+            self.accumulate = mf.accumulation_context_v1
+            name = "Megatron-FSDP"
+        else:
+            self.model, self.opt = mf.shard_v2(model, units, layout, mesh, device, args.lr, args.weight_decay)
+            self.accumulate = mf.accumulation_context_v2
+            name = "Megatron-FSDP v2 (experimental)"
+        self.grads_synced = False
+        strategies = layout.inner if layout.instances == 1 else f"{layout.outer} over {layout.inner}"
+        self.label = f"{name} {layout.instances}x{layout.inner_size} ({strategies})"
+        self.mesh = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+
+    def microbatch(self, index, count, tokens, labels):
+        with self.accumulate(self.model, index, count):
+            loss = loss_of(self.model, tokens, labels)
+            (loss / count).backward()
+        return loss.detach()
+
+    def clip(self):
+        if self.kind == "mfsdp":  # v1 attaches the reduced gradients to its parameters only here
+            self.model.finish_grad_sync()
+            self.grads_synced = True
+        super().clip()
+
+    def optimizer_step(self):
+        if self.kind == "mfsdp":
+            self.opt.step(sync_grad_before_optimizer_step=not self.grads_synced)
+            self.grads_synced = False
+        else:
+            self.opt.step()
 
 
 class PlainEngine(TorchOptimizerEngine):
@@ -698,8 +765,7 @@ class ModelOnlyEngine(TorchOptimizerEngine):
         super().__init__(args, timers, compute_dtype)
         self.model = build_model(cfg, shape, device, init_groups=False, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(self.model, shape)
-        if compute_dtype is not None:
-            self.model.to(compute_dtype)
+        cast_parameters(self.model, compute_dtype)
         maybe_compile(args, self.model)
         self.opt = None
         dtype = str(compute_dtype or torch.float32).removeprefix("torch.")
@@ -1270,6 +1336,10 @@ def _main(args, device, rank, world) -> int:
                     def factory(cfg=cfg, kind=kind):
                         variant = kind if kind != "hfsdp" else None
                         return HfsdpEngine(args, timers, compute_dtype, cfg, shape, device, variant)
+                elif kind in ("mfsdp", "mfsdp2"):
+
+                    def factory(cfg=cfg, layout=layout, kind=kind):
+                        return MegatronFsdpEngine(args, timers, compute_dtype, cfg, shape, device, layout, kind)
                 else:
 
                     def factory(cfg=cfg, layout=layout):

@@ -147,13 +147,29 @@ def two(out: Path) -> list[str]:
     return lines
 
 
+#: Phases whose whole step-time table the summary repeats (engines side by side, each row's loss verdict in it).
+TABLE_PHASES = ("default3b", "e095", "c095", "mfu3b", "mfu3bliger")
+
+
+def tables(out: Path) -> list[str]:
+    lines = []
+    for name in TABLE_PHASES:
+        data = _load(out / f"{name}.json")
+        if data is None:
+            continue
+        step_table = data["table"].split("## Host time")[0].split("## Profile")[0].strip()
+        lines += [f"### {name}: {' '.join(data['meta']['argv'][1:])}", "", step_table, ""]
+        lines += [f"FAILED: {line}" for line in data.get("failed", [])]
+    return lines
+
+
 def main(argv=None) -> int:
     out = Path((argv or sys.argv[1:])[0])
     lines = []
     status = out / "status.txt"
     if status.exists():
         lines += ["phases: " + "; ".join(line.strip() for line in status.read_text().splitlines() if line.strip())]
-    for part in (checks, floor, llama67, largest, two):
+    for part in (checks, floor, llama67, largest, two, tables):
         try:
             lines += part(out)
         except Exception as err:  # a summary must not hide the other parts
