@@ -125,10 +125,19 @@ def batches(shape: Shape, world: int, rank: int, device: torch.device) -> list[l
     return out
 
 
+def unit_forward():
+    """hfsdp's unit_forward module where this checkout has it, or where an earlier engine (`--baseline`, before the
+    core was grouped into subpackages) kept it."""
+    try:
+        from hfsdp.core.engine import unit_forward
+    except ModuleNotFoundError:
+        from hfsdp.core import unit_forward
+    return unit_forward
+
+
 def compile_units(model, style: str) -> None:
     """Compile the decoder layers the way `style` names (before sharding; "model" compiles after it)."""
-    from hfsdp.core.engine.unit_forward import compile_units as cli_compile
-
+    cli_compile = unit_forward().compile_units
     layers = model.model.layers
     if style == "module":
         for layer in layers:
@@ -271,7 +280,8 @@ class Hfsdp:
 
     def __init__(self, case: Case, shape: Shape, device, sanitizer: bool):
         from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard
-        from hfsdp.core.engine.unit_forward import recompute
+
+        recompute = unit_forward().recompute
 
         self.shape, self.option = shape, case.option
         model = build_llama(shape, device)
