@@ -9,7 +9,7 @@ over the data-parallel ranks.
   strategy per axis given by name (`zero_dp_strategy`, `outer_dp_sharding_strategy`), HSDP/HFSDP through
   `dp_outer_dim` and the flattened group.
 - `mfsdp2`: `megatron_fsdp.experimental.fully_shard` bottom-up (every decoder layer, then the root, as FSDP2),
-  the per-axis placements written out from the same table hfsdp uses (`PLACEMENTS`), and
+  the per-axis placements read off hfsdp's own table (`v2_placements`), and
   `experimental.fully_shard_optimizer`.
 
 Two things differ from the other engines by construction and are evened out here:
@@ -27,14 +27,19 @@ from contextlib import nullcontext
 
 import torch
 
-#: Per-axis placements (parameter, gradient, optimizer) of each strategy, in megatron_fsdp.experimental's terms.
-#: The same table as hfsdp's: Flat is its only sharded placement (a dim-0 shard in a flat buffer).
-PLACEMENTS = {
-    "no_shard": ("Replicate", "Partial", "Replicate"),
-    "optim": ("Replicate", "Partial", "Flat"),
-    "optim_grads": ("Replicate", "Flat", "Flat"),
-    "optim_grads_params": ("Flat", "Flat", "Flat"),
-}
+from hfsdp.core.rules.placement_names import PARTIAL, PLACEMENT_NAMES, REPLICATE, SHARD0, State
+from hfsdp.core.rules.strategy import Strategy
+
+#: hfsdp's placement names in megatron_fsdp.experimental's terms: Flat is its only sharded placement (a dim-0 shard
+#: kept in a flat buffer), which is what hfsdp's Shard(0) of a flat group is.
+V2_NAME = {REPLICATE: "Replicate", PARTIAL: "Partial", SHARD0: "Flat"}
+
+
+def v2_placements(strategy: str) -> tuple[str, str, str]:
+    """(parameter, gradient, optimizer) placement names of one mesh axis for Megatron-FSDP v2, read off hfsdp's own
+    per-axis table, so that both engines run the same layout by construction."""
+    row = PLACEMENT_NAMES[Strategy.parse(strategy)]
+    return V2_NAME[row[State.PARAM]], V2_NAME[row[State.GRAD]], V2_NAME[row[State.OPTIM]]
 
 
 def precision():
@@ -84,7 +89,7 @@ def shard_v2(model, units, layout, mesh, device, lr: float, weight_decay: float)
 
     axes = [(layout.outer, "dp_outer")] if layout.instances > 1 else []
     axes.append((layout.inner, "dp_shard"))
-    per_axis = [PLACEMENTS[strategy] for strategy, _ in axes]
+    per_axis = [v2_placements(strategy) for strategy, _ in axes]
     make = {"Replicate": v2.Replicate, "Partial": v2.Partial, "Flat": v2.Flat}
     placements = v2.Placements(
         dp_axes=[name for _, name in axes],
