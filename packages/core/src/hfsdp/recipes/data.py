@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 _MASK = (1 << 64) - 1
@@ -80,15 +81,13 @@ class IndexedTokens:
     """
 
     def __init__(self, prefix: str, seq_length: int):
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        from hfsdp.recipes.indexed_format import token_stream
 
-        self.dataset = IndexedDataset(prefix)
+        self.tokens = token_stream(prefix)  # memory-mapped: batches read their pages, nothing else is loaded
         self.seq_length = seq_length
-        tokens = torch.cat([torch.as_tensor(self.dataset[i].astype("int64")) for i in range(len(self.dataset))])
-        usable = (tokens.numel() - 1) // seq_length * seq_length
-        if usable == 0:
+        usable = (len(self.tokens) - 1) // seq_length * seq_length
+        if usable <= 0:
             raise ValueError(f"'{prefix}' holds fewer than {seq_length + 1} tokens; use a longer dataset.")
-        self.tokens = tokens[: usable + 1]
         self.num_samples = usable // seq_length
         self.first = 0  # samples first .. first + num_samples - 1 are this stream's
 
@@ -105,7 +104,7 @@ class IndexedTokens:
         index = self.first + (torch.arange(count) + first) % self.num_samples
         starts = index * self.seq_length
         rows = starts[:, None] + torch.arange(self.seq_length + 1)
-        seq = self.tokens[rows]
+        seq = torch.from_numpy(self.tokens[rows.numpy()].astype(np.int64))
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     def global_batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,7 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
                 )
             )
         else:
-            problems += [Problem("--data-path", message) for message in _dataset(cfg)]
+            problems += [Problem("--data-path", message) for message in _dataset_format(prefix) + _dataset(cfg)]
     if cfg.model_config is not None:
         _hf_model(cfg, problems)
     plan = Plan()
@@ -115,6 +115,25 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
     if problems:
         raise PreflightError(problems)
     return plan
+
+
+def _dataset_format(prefix: str) -> list[str]:
+    """A .bin/.idx pair every rank could not stream (not the format, cut short, not belonging together), and the
+    held-out pair its sidecar names, where it names one: read as training will, memory-mapped."""
+    from hfsdp.recipes.indexed_format import IndexedFormatError, token_stream
+    from hfsdp.recipes.prepare.sidecar import SidecarError, validation_prefix
+
+    try:
+        held_out = validation_prefix(prefix)
+    except SidecarError:
+        held_out = None  # a broken sidecar is reported by _dataset
+    found = []
+    for each in [prefix] + ([held_out] if held_out and Path(held_out + ".idx").is_file() else []):
+        try:
+            token_stream(each)
+        except (IndexedFormatError, OSError) as err:
+            found.append(f"--data-path {prefix}: {err}")
+    return found
 
 
 def _dataset(cfg: TrainConfig) -> list[str]:

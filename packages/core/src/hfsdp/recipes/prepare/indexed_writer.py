@@ -1,22 +1,10 @@
-"""Megatron's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written from its specification, in bounded memory.
+"""Megatron's indexed dataset (`PREFIX.bin` + `PREFIX.idx`), written in bounded memory.
 
-This is the format megatron-core's `IndexedDataset` and `hfsdp train --data-path` read; it is written here without
-importing megatron-core (an optional extra of hfsdp-core). The `.bin` file is every sequence's tokens back to back,
-in one dtype. The `.idx` file, all little-endian:
-
-    magic   9 bytes  b"MMIDIDX\\x00\\x00"
-    version uint64   1
-    dtype   uint8    the tokens' dtype code (`DTYPE_CODES`)
-    S       uint64   the number of sequences
-    D       uint64   the number of document boundaries (documents + 1)
-    sizes   int32[S] tokens per sequence
-    pointers int64[S] byte offset of each sequence in the .bin
-    documents int64[D] sequence index where each document starts, then S
-
-Here every document is one sequence (as Megatron-LM's `preprocess_data.py` writes it without sentence splitting),
-so the document indices are 0, 1, ..., S. The writer streams tokens to the .bin as they come and spills the sizes to
-a side file, so memory stays bounded by a chunk however large the corpus: the index is assembled chunk by chunk at
-`finish()`.
+The format (`hfsdp.recipes.indexed_format`) is written here from its specification, without importing
+megatron-core (an optional extra of hfsdp-core). Every document is one sequence (as Megatron-LM's
+`preprocess_data.py` writes it without sentence splitting), so the document indices are 0, 1, ..., S. The writer
+streams tokens to the .bin as they come and spills the sizes to a side file, so memory stays bounded by a chunk
+however large the corpus: the index is assembled chunk by chunk at `finish()`.
 """
 
 from __future__ import annotations
@@ -27,21 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hfsdp.recipes.indexed_format import DTYPE_CODES, MAGIC, VERSION
 from hfsdp.recipes.prepare.errors import PrepareError
 
-MAGIC = b"MMIDIDX\x00\x00"
-VERSION = 1
-#: megatron-core's `DType` codes (megatron/core/datasets/indexed_dataset.py).
-DTYPE_CODES = {
-    np.dtype(np.uint8): 1,
-    np.dtype(np.int8): 2,
-    np.dtype(np.int16): 3,
-    np.dtype(np.int32): 4,
-    np.dtype(np.int64): 5,
-    np.dtype(np.float64): 6,
-    np.dtype(np.float32): 7,
-    np.dtype(np.uint16): 8,
-}
 #: The dtypes tokens are written in, smallest first: the first whose range holds every id of the vocabulary.
 TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.int32))
 #: Entries of the sizes side file copied into the index per write (4 MiB of int32).
