@@ -24,6 +24,8 @@
 #                 Megatron-FSDP (and its v2, eager), the model alone
 #   mfu3b         the 3.0B compiled, and compiled with Liger's kernels (RMSNorm, SwiGLU, RoPE, output projection fused
 #                 with the loss): hfsdp's default and the model alone
+#   mfu3bmb4      the 3.0B compiled at micro-batch 4 (the engine's per-step cost spread over twice the tokens):
+#                 hfsdp's default, FSDP2, the model alone
 #   two           2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1 of both 0.95B models, hfsdp and hfsdp+fused+clip vs FSDP2
 # A phase that would not fit in what is left of BUDGET seconds is skipped, and says so; a failed phase does not stop
 # the next. Full logs and JSON stay in OUT_DIR; the summary (bench/perf_summary.py) is printed last.
@@ -89,6 +91,9 @@ for name in $phases; do
       phase mfu3b 100 200 $BENCH $L3B --steps 5 --warmup 2 --compile --engines "$DEFAULT,model" --out "$out/mfu3b.json"
       phase mfu3bliger 100 200 $BENCH $L3B --steps 5 --warmup 2 --compile --liger --engines "$DEFAULT,model" \
         --out "$out/mfu3bliger.json" ;;
+    mfu3bmb4)
+      phase mfu3bmb4 100 200 $BENCH ${L3B/--micro-batch-size 2/--micro-batch-size 4} --steps 5 --warmup 2 --compile \
+        --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bmb4.json" ;;
     floor3b)
       phase floor3b 90 240 $BENCH $L3B --steps 6 --warmup 2 --floor --engines "$VARIANTS,fsdp2,model" \
         --out "$out/floor3b.json" ;;
@@ -132,3 +137,5 @@ for name in $phases; do
 done
 echo "=== summary ($(($(date +%s) - start)) s in all)"
 python3 bench/perf_summary.py "$out"
+# One archive of every log and JSON: a device call brings back only so many files.
+(cd "$out" && tar -czf all.tgz --exclude=all.tgz -- *.log *.json summary.md 2>/dev/null)

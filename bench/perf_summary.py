@@ -148,7 +148,7 @@ def two(out: Path) -> list[str]:
 
 
 #: Phases whose whole step-time table the summary repeats (engines side by side, each row's loss verdict in it).
-TABLE_PHASES = ("default3b", "e095", "c095", "mfu3b", "mfu3bliger")
+TABLE_PHASES = ("default3b", "e095", "c095", "mfu3b", "mfu3bliger", "mfu3bmb4")
 
 
 def tables(out: Path) -> list[str]:
