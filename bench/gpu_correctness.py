@@ -211,6 +211,7 @@ def drive(args) -> int:
             codes[name] = proc.wait()
         order = order[len(batch) :]
     seconds = time.perf_counter() - began
+    _archive_logs(logs, os.path.join(args.out, "logs.tgz"))
     records = {}
     for name in passes:
         path = os.path.join(logs, f"{name}.json")
@@ -219,6 +220,16 @@ def drive(args) -> int:
             with open(path) as f:
                 records[name] = json.load(f)
     return _conclude(args, passes, records, seconds, codes)
+
+
+def _archive_logs(logs: str, archive: str) -> None:
+    """Every pass's log and JSON in one file (inductor's caches left out): a device call brings back only so many."""
+    import tarfile
+
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in sorted(os.listdir(logs)):
+            if name.endswith((".log", ".json")):
+                tar.add(os.path.join(logs, name), arcname=name)
 
 
 def _conclude(args, passes, records, seconds, codes) -> int:

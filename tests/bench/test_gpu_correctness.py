@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,8 @@ def test_the_script_passes_on_two_cpu_ranks_with_the_hybrid_layouts(tmp_path):
     assert ("deterministic across processes", "hfsdp/module@hfsdp") in checked
     assert ("agrees with fsdp2/module@hsdp", "hfsdp/module@hfsdp") in checked
     assert ("agrees with fsdp2/eager", "hfsdp/eager") in checked
+    with tarfile.open(tmp_path / "logs.tgz") as tar:  # every pass's log and JSON, in one file that comes back
+        assert {"main.log", "main.json", "second.log", "second.json"} <= set(tar.getnames())
 
 
 def _verdicts(records, argv):
