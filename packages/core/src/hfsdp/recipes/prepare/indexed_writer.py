@@ -10,12 +10,11 @@ however large the corpus: the index is assembled chunk by chunk at `finish()`.
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
-from hfsdp.recipes.indexed_format import DTYPE_CODES, MAGIC, VERSION
+from hfsdp.recipes.indexed_format import DTYPE_CODES, HEADER, MAGIC, VERSION
 from hfsdp.recipes.prepare.errors import PrepareError
 
 #: The dtypes tokens are written in, smallest first: the first whose range holds every id of the vocabulary.
@@ -65,8 +64,7 @@ class IndexedWriter:
         self._bin.close()
         sizes = self._sizes
         with open(self.prefix.with_name(self.prefix.name + ".idx"), "wb") as idx:
-            idx.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", DTYPE_CODES[self.dtype]))
-            idx.write(struct.pack("<Q", self.documents) + struct.pack("<Q", self.documents + 1))
+            idx.write(HEADER.pack(MAGIC, VERSION, DTYPE_CODES[self.dtype], self.documents, self.documents + 1))
             for chunk in _chunks(sizes):
                 idx.write(memoryview(chunk))
             offset = 0
