@@ -101,11 +101,14 @@ def test_output_for_logs_is_plain_lines_and_stderr_stays_empty(hfsdp_run):
 
 
 def test_metrics_records_have_the_documented_fields(hfsdp_run):
-    """Each metrics line holds step, loss, grad_norm, lr and tokens_per_s."""
-    _, records = hfsdp_run
+    """Each metrics line holds step, loss, grad_norm, lr, tokens_per_s and the model TFLOP/s per GPU; MFU only
+    where the GPU's datasheet peak is known (not on the CPU). The summary says the median step's rate."""
+    result, records = hfsdp_run
     for record in records:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s"} <= record.keys()
+        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s", "model_tflops_per_gpu"} <= record.keys()
         assert record["tokens_per_s"] > 0 and record["grad_norm"] > 0 and record["lr"] == pytest.approx(1e-2)
+        assert record["model_tflops_per_gpu"] > 0 and "mfu" not in record
+    assert re.search(r"tokens/s \(median step\), [\d.,]+ model TFLOP/s per GPU, peak", result.stdout), result.stdout
 
 
 def test_bad_flag_combination_is_rejected_before_any_process_starts():

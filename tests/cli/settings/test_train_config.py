@@ -386,11 +386,13 @@ def test_the_summary_says_1_step():
 
     import torch
 
+    from hfsdp.cli.rank.throughput import Throughput
     from hfsdp.cli.rank.train_loop import _print_summary
 
     summary = {"layout": "ZeRO-3 1x4", "steps": 1, "final_loss": 1.0, "tokens_per_s": 10.0,
                "peak_memory_mb_per_rank": [1.0]}  # fmt: skip
     out = io.StringIO()
+    cfg = _build({"steps": 1})
     with redirect_stdout(out):
-        _print_summary(_build({"steps": 1}), summary, torch.device("cpu"))
+        _print_summary(cfg, summary, torch.device("cpu"), Throughput.of(cfg, torch.device("cpu")))
     assert "ZeRO-3 1x4, 1 step, final loss" in out.getvalue()

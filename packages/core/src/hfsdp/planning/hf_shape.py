@@ -60,21 +60,22 @@ def hf_shape(config: Mapping[str, Any], source: str = "the model config") -> Mod
     if head_dim < 1:
         raise ModelShapeError(f"{source}: hidden_size {h} is smaller than num_attention_heads {heads}.")
     q, kvd = heads * head_dim, kv * head_dim
-    attention = 2 * q * h + 2 * kvd * h
+    attention = matmul_attention = 2 * q * h + 2 * kvd * h  # biases are stored, but no matmul multiplies them
     if family == "llama" and fields.get("attention_bias"):
         attention += q + 2 * kvd + h
     if family == "qwen2":
         attention += q + 2 * kvd
-    mlp = 3 * h * f + (2 * f + h if family == "llama" and fields.get("mlp_bias") else 0)
+    matmul_mlp = 3 * h * f
+    mlp = matmul_mlp + (2 * f + h if family == "llama" and fields.get("mlp_bias") else 0)
     experts = topk = 0
     if family == "mixtral":
         experts, topk = size("num_local_experts"), size("num_experts_per_tok")
         if topk > experts:
             raise ModelShapeError(f"{source}: num_experts_per_tok {topk} is more than num_local_experts {experts}.")
         dense = 2 * h + attention + experts * h + experts * mlp
-        active = attention + experts * h + topk * mlp
+        active = matmul_attention + experts * h + topk * matmul_mlp
     else:
-        dense, active = 2 * h + attention + mlp, attention + mlp
+        dense, active = 2 * h + attention + mlp, matmul_attention + matmul_mlp
     units = [UnitParams(f"model.layers.{i}", dense, 0, active) for i in range(layers)]
     tied = bool(fields.get("tie_word_embeddings", False))
     root = vocab * h + h + (0 if tied else vocab * h)

@@ -21,7 +21,7 @@ not modelled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hfsdp.planning.cluster import Cluster
 from hfsdp.planning.groups import Group
@@ -66,11 +66,17 @@ def unit_flops(shape: ModelShape, unit: int, tokens: int, seq: int) -> float:
 
 
 def step_flops(shape: ModelShape, run: Settings) -> float:
-    """FLOPs of one rank's optimizer step (for the MFU a measured step time implies)."""
+    """FLOPs one rank computes in an optimizer step, recomputation included (what its time is made of)."""
     tokens = run.seq * run.micro_batch
     forward = sum(unit_flops(shape, u, tokens, run.seq) for u in range(len(shape.units)))
     layers = forward - unit_flops(shape, len(shape.units) - 1, tokens, run.seq)
     return run.microbatches * (3 * forward + (layers if run.recompute else 0.0))
+
+
+def model_flops(shape: ModelShape, run: Settings) -> float:
+    """The model FLOPs of one rank's optimizer step, what MFU counts: forward and backward of every microbatch,
+    never the recomputation (a run that recomputes does more work for the same model FLOPs)."""
+    return step_flops(shape, replace(run, recompute=False))
 
 
 class _Streams:

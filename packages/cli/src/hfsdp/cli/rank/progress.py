@@ -25,9 +25,11 @@ def reporter(total: int, start: int, every: int, shown_up_to: int = 0):
 
 def describe(r: dict) -> str:
     held_out = f"  eval loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""
+    rate = f"  {r['model_tflops_per_gpu']:,.0f} TFLOP/s/GPU" if "model_tflops_per_gpu" in r else ""
+    mfu = f" ({r['mfu']:.1%} MFU)" if "mfu" in r else ""
     return (
         f"loss {r['loss']:.4f}{held_out}  lr {r['lr']:.3g}  grad norm {r['grad_norm']:.3g}  "
-        f"{r['tokens_per_s']:,.0f} tok/s  {r['peak_memory_mb']:,.0f} MiB"
+        f"{r['tokens_per_s']:,.0f} tok/s{rate}{mfu}  {r['peak_memory_mb']:,.0f} MiB"
     )
 
 

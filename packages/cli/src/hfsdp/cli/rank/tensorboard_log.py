@@ -20,6 +20,8 @@ TAGS = {
     "tokens_per_s": "train/tokens_per_s",
     "peak_memory_mb": "train/peak_memory_mb",
     "step_time_s": "train/step_time_s",
+    "model_tflops_per_gpu": "train/model_tflops_per_gpu",
+    "mfu": "train/mfu",
 }
 INSTALL = "pip install tensorboard"
 

@@ -30,6 +30,7 @@ from hfsdp.cli.rank.heartbeat import Heartbeat
 from hfsdp.cli.rank.progress import reporter
 from hfsdp.cli.rank.run_dir import RUN_DIR_ENV, progress_file, read_json, write_json
 from hfsdp.cli.rank.tensorboard_log import TensorBoardLog
+from hfsdp.cli.rank.throughput import Throughput
 from hfsdp.cli.settings.report import say
 from hfsdp.cli.settings.train_config import TrainConfig
 
@@ -84,6 +85,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     beat = Heartbeat(cfg.step_timeout, rank, cfg.save, run_dir)
     built = build_model(cfg, device)
     sharded = built.sharded
+    throughput = Throughput.of(cfg, device)
     opt = _optimizer(cfg, param_groups(sharded, cfg.weight_decay), device)
     clips_in_step = getattr(opt, "max_grad_norm", None) is not None  # FusedAdamW clips as it steps
     apart = _instances_apart(layout)
@@ -146,6 +148,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 "lr": lr,
                 "tokens_per_s": cfg.tokens_per_step / elapsed,
                 "step_time_s": elapsed,
+                **throughput.figures(elapsed),
                 "peak_memory_mb": _peak_memory_mb(device),
                 "consumed_samples": consumed,
             }
@@ -189,16 +192,20 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, _peak_memory_mb(device))
     steady = sorted(times[1:] or times)
+    median = steady[len(steady) // 2] if steady else float("nan")
     summary = {
         "layout": layout.layout_name,
         "steps": cfg.steps,
         "final_loss": loss_value,
-        "tokens_per_s": cfg.tokens_per_step / steady[len(steady) // 2] if steady else float("nan"),
+        "tokens_per_s": cfg.tokens_per_step / median,
+        "median_step_s": median,
         "peak_memory_mb_per_rank": peaks,
         "checkpoints": [str(p) for p in saver.saved],
     }
+    if steady:
+        summary.update(throughput.figures(median))
     if rank == 0:
-        _print_summary(cfg, summary, device)
+        _print_summary(cfg, summary, device, throughput)
     return summary
 
 
@@ -286,13 +293,14 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _print_summary(cfg: TrainConfig, summary: dict, device: torch.device) -> None:
+def _print_summary(cfg: TrainConfig, summary: dict, device: torch.device, throughput: Throughput) -> None:
     kind = "allocated" if device.type == "cuda" else "RSS"
     peaks = ", ".join(f"{p:,.0f}" for p in summary["peak_memory_mb_per_rank"])
+    rate = f", {throughput.describe(summary['median_step_s'])}" if "model_tflops_per_gpu" in summary else ""
     say(
         f"done: {summary['layout']}, {summary['steps']} step{'s' if summary['steps'] != 1 else ''}, final loss "
         f"{summary['final_loss']:.4f}, "
-        f"{summary['tokens_per_s']:,.0f} tokens/s (median step), peak {kind} MiB per rank: [{peaks}]"
+        f"{summary['tokens_per_s']:,.0f} tokens/s (median step){rate}, peak {kind} MiB per rank: [{peaks}]"
     )
     if cfg.save:
         from hfsdp.cli.rank.retention import checkpoints
