@@ -26,6 +26,17 @@
 #                 with the loss): hfsdp's default and the model alone
 #   mfu3bmb4      the 3.0B compiled at micro-batch 4 (the engine's per-step cost spread over twice the tokens):
 #                 hfsdp's default, FSDP2, the model alone
+#   train3b       hfsdp train itself on the 3.0B Llama (bench/configs/llama-3.0b.json), every layer compiled, its
+#                 defaults (2 microbatches of 2 per step, FusedAdamW, clip 1.0): MFU as it reports it; then 4 steps
+#                 eager, the reference its losses are checked against
+#   train095      the same for the 0.95B Llama (2 microbatches of 4)
+#   mfu3bm2       the 3.0B compiled, 2 microbatches of 2 per step (hfsdp train's default accumulation): hfsdp's
+#                 default, FSDP2, the model alone (losses checked in the run)
+#   c095m2        the 0.95B compiled, 2 microbatches of 4: hfsdp's default, FSDP2, the model alone
+#   probe         bench/overlap_probe.py at 0.95B and 3.0B: how much of the AdamW pass one GPU hides behind the
+#                 model's forward (and backward) on a second stream
+#   ligerdbg      Liger under layer.compile() at 0.95B: FSDP2, then hfsdp's default with CUDA_LAUNCH_BLOCKING=1
+#                 (each its own process: does the illegal memory access follow hfsdp's flat buffers?)
 #   two           2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1 of both 0.95B models, hfsdp and hfsdp+fused+clip vs FSDP2
 # A phase that would not fit in what is left of BUDGET seconds is skipped, and says so; a failed phase does not stop
 # the next. Full logs and JSON stay in OUT_DIR; the summary (bench/perf_summary.py) is printed last.
@@ -94,6 +105,27 @@ for name in $phases; do
     mfu3bmb4)
       phase mfu3bmb4 100 200 $BENCH ${L3B/--micro-batch-size 2/--micro-batch-size 4} --steps 5 --warmup 2 --compile \
         --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bmb4.json" ;;
+    train3b|train095)
+      if [ "$name" = train3b ]; then model=bench/configs/llama-3.0b.json; mb=2; else model=bench/configs/llama-0.95b.json; mb=4; fi
+      T="python3 -m hfsdp.cli train --model-config $model --nproc 1 --device cuda --dtype bf16 --seq-len 2048"
+      T="$T --micro-batch-size $mb --global-batch-size $((2 * mb)) --log-every 1"
+      phase "$name" 90 200 $T --compile --steps 8 --metrics "$out/$name.jsonl"
+      phase "$name-eager" 40 120 $T --steps 4 --metrics "$out/$name-eager.jsonl" ;;
+    mfu3bm2)
+      phase mfu3bm2 60 200 $BENCH $L3B --global-batch-size 4 --steps 5 --warmup 2 --compile \
+        --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bm2.json" ;;
+    c095m2)
+      phase c095m2 50 200 $BENCH $L095 --global-batch-size 8 --steps 6 --warmup 2 --compile \
+        --engines "$DEFAULT,fsdp2,model" --out "$out/c095m2.json" ;;
+    probe)
+      phase probe095 30 120 python3 bench/overlap_probe.py --out "$out/probe095.json"
+      phase probe3b 40 120 python3 bench/overlap_probe.py --layers 28 --hidden 3072 --ffn 8192 --heads 24 --kv-heads 8 \
+        --batch 2 --out "$out/probe3b.json" ;;
+    ligerdbg)
+      phase ligerdbg-fsdp2 40 120 $BENCH $L095 --steps 3 --warmup 1 --compile --liger --engines fsdp2 \
+        --out "$out/ligerdbg-fsdp2.json"
+      phase ligerdbg-hfsdp 40 120 env CUDA_LAUNCH_BLOCKING=1 $BENCH $L095 --steps 3 --warmup 1 --compile --liger \
+        --engines "$DEFAULT" --out "$out/ligerdbg-hfsdp.json" ;;
     floor3b)
       phase floor3b 90 240 $BENCH $L3B --steps 6 --warmup 2 --floor --engines "$VARIANTS,fsdp2,model" \
         --out "$out/floor3b.json" ;;
@@ -138,4 +170,4 @@ done
 echo "=== summary ($(($(date +%s) - start)) s in all)"
 python3 bench/perf_summary.py "$out"
 # One archive of every log and JSON: a device call brings back only so many files.
-(cd "$out" && tar -czf all.tgz --exclude=all.tgz -- *.log *.json summary.md 2>/dev/null)
+(cd "$out" && tar -czf all.tgz --exclude=all.tgz -- *.log *.json *.jsonl summary.md 2>/dev/null)

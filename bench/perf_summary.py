@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from math import nan
 from pathlib import Path
 
 
@@ -148,7 +149,61 @@ def two(out: Path) -> list[str]:
 
 
 #: Phases whose whole step-time table the summary repeats (engines side by side, each row's loss verdict in it).
-TABLE_PHASES = ("default3b", "e095", "c095", "mfu3b", "mfu3bliger", "mfu3bmb4")
+TABLE_PHASES = (
+    "default3b", "e095", "c095", "mfu3b", "mfu3bliger", "mfu3bmb4", "mfu3bm2", "c095m2", "ligerdbg-fsdp2",
+    "ligerdbg-hfsdp",
+)  # fmt: skip
+
+
+def _records(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def trains(out: Path) -> list[str]:
+    """hfsdp train's own figures (train3b, train095): the median step's MFU, and its losses against the eager
+    run of the same phase (the reference)."""
+    lines = []
+    for name in ("train3b", "train095"):
+        compiled, eager = _records(out / f"{name}.jsonl"), _records(out / f"{name}-eager.jsonl")
+        if not compiled:
+            continue
+        steady = sorted(compiled[1:] or compiled, key=lambda r: r["step_time_s"])
+        median = steady[len(steady) // 2]
+        pairs = [(r["loss"], e["loss"]) for r, e in zip(compiled, eager, strict=False)]
+        worst = max((abs(a - b) / abs(b) for a, b in pairs), default=float("nan"))
+        lines.append(
+            f"{name}: hfsdp train compiled, median step {median['step_time_s']:.4f} s, "
+            f"{median.get('model_tflops_per_gpu', nan):.1f} model TFLOP/s, MFU {median.get('mfu', nan):.1%}, "
+            f"peak {median['peak_memory_mb']:,.0f} MiB; losses {[round(r['loss'], 5) for r in compiled[:4]]} against "
+            f"eager {[round(e['loss'], 5) for e in eager[:4]]}: max rel diff {worst:.2e} over {len(pairs)} steps"
+        )
+        if eager:
+            e_steady = sorted(eager[1:] or eager, key=lambda r: r["step_time_s"])
+            e_median = e_steady[len(e_steady) // 2]
+            lines.append(
+                f"{name}-eager: median step {e_median['step_time_s']:.4f} s, MFU {e_median.get('mfu', nan):.1%}"
+            )
+    return lines
+
+
+def probes(out: Path) -> list[str]:
+    lines = []
+    for name in ("probe095", "probe3b"):
+        data = _load(out / f"{name}.json")
+        if data is None:
+            continue
+        lines.append(f"{name}: AdamW over {data['elements'] / 1e9:.2f}B elements alone {data['adamw_ms']:.2f} ms")
+        for part in ("forward", "forward_backward"):
+            r = data[part]
+            lines.append(
+                f"  {part}: alone {r['compute_ms']:.2f} ms; with AdamW on a second stream {r['together_ms']:.2f} ms "
+                f"(hidden {r['together_hidden']:.0%}), pipelined {r['pipelined_ms']:.2f} ms "
+                f"(hidden {r['pipelined_hidden']:.0%})"
+            )
+    return lines
 
 
 def tables(out: Path) -> list[str]:
@@ -169,7 +224,7 @@ def main(argv=None) -> int:
     status = out / "status.txt"
     if status.exists():
         lines += ["phases: " + "; ".join(line.strip() for line in status.read_text().splitlines() if line.strip())]
-    for part in (checks, floor, llama67, largest, two, tables):
+    for part in (checks, floor, llama67, largest, two, trains, probes, tables):
         try:
             lines += part(out)
         except Exception as err:  # a summary must not hide the other parts
