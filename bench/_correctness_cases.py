@@ -27,8 +27,9 @@ SEED = 1234
 #: How each style compiles the decoder layers (or, for "model", the whole model); "eager" compiles nothing.
 STYLES = ("eager", "module", "fullgraph", "wrapper", "forward", "cli", "model")
 #: Engine options: "offload" (fp32 state in host memory), "fused" (FusedAdamW, clip before it), "fused_clip_prestage"
-#: (FusedAdamW clipping inside its step and writing the next forward's gather input), "recompute".
-OPTIONS = ("", "offload", "fused", "fused_clip_prestage", "recompute")
+#: (FusedAdamW clipping inside its step and writing the next forward's gather input), "fused_clip_prestage_overlap"
+#: (and its step on a side stream, overlapping the next forward), "recompute".
+OPTIONS = ("", "offload", "fused", "fused_clip_prestage", "fused_clip_prestage_overlap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class Case:
         """Whether the case runs its witness's arithmetic op for op (it may differ only in the order of a few
         sums), or rounds otherwise by design: offload steps AdamW on the CPU, FusedAdamW is its own kernel, and a
         hybrid layout sums the gradients over two axes, in another order than FSDP2's HSDP."""
-        return self.option not in ("offload", "fused", "fused_clip_prestage") and not self.layout
+        return self.option != "offload" and not self.option.startswith("fused") and not self.layout
 
     @property
     def witnesses(self) -> list[str]:
@@ -178,12 +179,12 @@ def _adamw(params, shape: Shape, option: str, sanitizer: bool):
     if option.startswith("fused"):
         from hfsdp.core import FusedAdamW
 
-        clip = shape.clip if option == "fused_clip_prestage" else None
-        prestage = option == "fused_clip_prestage"
+        prestage = option.startswith("fused_clip_prestage")
+        clip = shape.clip if prestage else None
         # Under the sanitizer the torch path: a Triton kernel is invisible to it (the same ordering, seen op by op).
         backend = "torch" if sanitizer else "auto"
         return FusedAdamW(params, lr=shape.lr, weight_decay=0.1, max_grad_norm=clip, prestage_gathers=prestage,
-                          backend=backend)  # fmt: skip
+                          overlap_next_forward=option.endswith("_overlap"), backend=backend)  # fmt: skip
     return torch.optim.AdamW(params, lr=shape.lr, weight_decay=0.1, fused=True)
 
 
@@ -309,13 +310,14 @@ class Hfsdp:
             loss = _loss(self.model, tokens, labels)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        if self.shape.clip and self.option != "fused_clip_prestage":
+        if self.shape.clip and not self.option.startswith("fused_clip_prestage"):
             self.model.clip_grad_norm_(self.shape.clip)
         self.opt.step()
         self.opt.zero_grad()
         return total / len(microbatches)
 
     def weights(self) -> dict[str, torch.Tensor] | None:
+        self.model.wait_for_weights()  # read outside forward right after a step (an overlapped one may be running)
         if dist.get_world_size() == 1:  # one rank: the main params are whole (on the host with offload)
             return {n: p.detach() for n, p in self.model.named_parameters()}
         full = self.model.state_dict()  # collective; whole on rank 0, on the CPU

@@ -120,9 +120,9 @@ LAYOUTS = {
 }
 SEED = 1234
 ENGINES = ("hfsdp", "fsdp2", "mfsdp", "mfsdp2", "plain", "model")
-#: hfsdp engine variants, `hfsdp+fused[+clip][+prestage]`: FusedAdamW instead of torch's fused AdamW, the clip inside
-#: its step, the next forward's gather input written by the step.
-VARIANT_PARTS = ("fused", "clip", "prestage")
+#: hfsdp engine variants, `hfsdp+fused[+clip][+prestage][+overlap]`: FusedAdamW instead of torch's fused AdamW, the
+#: clip inside its step, the next forward's gather input written by the step, the step overlapping the next forward.
+VARIANT_PARTS = ("fused", "clip", "prestage", "overlap")
 SINGLE_DEVICE_ENGINES = ("plain", "model")  # unsharded, on rank 0 alone
 
 
@@ -207,6 +207,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size x dp (M = 1)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps before the timed ones")
+    p.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="time the timed steps as one run, synchronised only at its two ends (each step's time: the run's over "
+        "--steps), as a training loop that does not wait for the device between steps sees them; an optimizer "
+        "step that overlaps the next forward (hfsdp+fused+prestage+overlap) shows its gain only so",
+    )
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--engines", default="hfsdp,fsdp2", help=f"comma-separated, from {', '.join(ENGINES)}")
     p.add_argument("--layouts", default=None, help="comma-separated name:RxN (default zero3:1xWORLD)")
@@ -245,8 +252,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(
             f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}, or hfsdp variants "
-            "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage (FusedAdamW; the clip in its step; the gather "
-            "input written by it)"
+            "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage[+overlap] (FusedAdamW; the clip in its step; "
+            "the gather input written by it; the step overlapping the next forward)"
         )
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         p.error(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops}")
@@ -268,6 +275,7 @@ def _is_variant(name: str) -> bool:
         and parts[0] == "fused"
         and len(set(parts)) == len(parts)
         and all(x in VARIANT_PARTS for x in parts)
+        and ("overlap" not in parts or "prestage" in parts)
     )
 
 
@@ -577,6 +585,7 @@ class HfsdpEngine(Engine):
                 weight_decay=args.weight_decay,
                 max_grad_norm=args.clip_grad if "clip" in self.variant and args.clip_grad else None,
                 prestage_gathers="prestage" in self.variant,
+                overlap_next_forward="overlap" in self.variant,
             )
         else:
             self.opt = adamw(args, self.model.parameters())
@@ -851,21 +860,29 @@ def run_engine(
     losses, times, comm_times, cpu_times = [], [], [], []
     timers.reset()
     total_steps = args.warmup + args.steps
+    run_began = None
     for step in range(total_steps):
         timers.enabled = step >= args.warmup and args.timing
-        sync(device)
+        between = args.back_to_back and step > args.warmup  # no synchronisation between two timed steps
+        if not between:
+            sync(device)
         comm_before = timers.total("comm::")
         cpu0 = time.process_time()
         t0 = time.perf_counter()
+        if step == args.warmup:
+            run_began = t0
         loss = engine.train_step(batches[step], measure_state=(step == 0))
         cpu = time.process_time() - cpu0  # before the sync: CUDA's synchronize spins, which is no work
-        sync(device)
+        if not args.back_to_back or step < args.warmup or step == total_steps - 1:
+            sync(device)
         elapsed = time.perf_counter() - t0
         losses.append(loss)
         if step >= args.warmup:
             times.append(elapsed)
             comm_times.append(timers.total("comm::") - comm_before)
             cpu_times.append(cpu)
+    if args.back_to_back and times:
+        times = [(time.perf_counter() - run_began) / len(times)] * len(times)
     timers.enabled = False
     timer_totals = timers.snapshot()
     peak_allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -292,6 +292,12 @@ def judge(records: dict, passes: dict) -> list[dict]:
                 detail = f"step 1 {'equal' if same_start else 'DIFFERS'}; loss {loss:.2e} (<= {loss_rtol:g}), "
                 detail += f"weights {weights:.2e} (<= {weight_rtol:g})"
                 add(f"agrees with {witness}", case.name, ok, detail)
+    for case in {c.name: c for c in passes["main"] if c.option.endswith("_overlap")}.values():
+        first = main.get((case.name, 0))
+        in_order = main.get((replace(case, option=case.option.removesuffix("_overlap"), repeat=0).name, 0))
+        if first and in_order and not first.get("error") and not in_order.get("error"):
+            same = first["losses"] == in_order["losses"] and first["digest"] == in_order["digest"]
+            add("bit-identical to the step in order", case.name, same, _difference(first, in_order))
     for name, r in by.get("sanitizer", {}).items():
         ok = not r.get("error")
         add("stream sanitizer", name[0], ok, "no race reported" if ok else r["error"][:600])

@@ -37,6 +37,11 @@
 #                 model's forward (and backward) on a second stream
 #   ligerdbg      Liger under layer.compile() at 0.95B: FSDP2, then hfsdp's default with CUDA_LAUNCH_BLOCKING=1
 #                 (each its own process: does the illegal memory access follow hfsdp's flat buffers?)
+#   overlap       FusedAdamW's step overlapping the next forward (hfsdp's default + overlap), timed back to back
+#                 (no synchronisation between steps): ov3b 3.0B eager, ov095 0.95B eager, ovc095 0.95B compiled,
+#                 each beside hfsdp's default, FSDP2, Megatron-FSDP and the model alone; ovcorrect: gpu_correctness
+#                 on the overlapped step (eager and compiled: bit-identical to the step in order, deterministic,
+#                 the stream sanitizer)
 #   two           2 GPUs: ZeRO-3 1x2, HSDP 2x1, HFSDP 2x1 of both 0.95B models, hfsdp and hfsdp+fused+clip vs FSDP2
 # A phase that would not fit in what is left of BUDGET seconds is skipped, and says so; a failed phase does not stop
 # the next. Full logs and JSON stay in OUT_DIR; the summary (bench/perf_summary.py) is printed last.
@@ -126,6 +131,14 @@ for name in $phases; do
         --out "$out/ligerdbg-fsdp2.json"
       phase ligerdbg-hfsdp 40 120 env CUDA_LAUNCH_BLOCKING=1 $BENCH $L095 --steps 3 --warmup 1 --compile --liger \
         --engines "$DEFAULT" --out "$out/ligerdbg-hfsdp.json" ;;
+    overlap)
+      E="$DEFAULT,$DEFAULT+overlap,fsdp2,mfsdp,model"
+      phase ov3b 60 200 $BENCH $L3B --steps 6 --warmup 2 --back-to-back --engines "$E" --out "$out/ov3b.json"
+      phase ov095 45 150 $BENCH $L095 --steps 8 --warmup 3 --back-to-back --engines "$E" --out "$out/ov095.json"
+      phase ovc095 60 200 $BENCH $L095 --steps 8 --warmup 3 --back-to-back --compile --engines "$E" \
+        --out "$out/ovc095.json"
+      phase ovcorrect 60 200 python3 bench/gpu_correctness.py "$out/ovcorrect" --styles eager,module \
+        --options fused_clip_prestage,fused_clip_prestage_overlap ;;
     floor3b)
       phase floor3b 90 240 $BENCH $L3B --steps 6 --warmup 2 --floor --engines "$VARIANTS,fsdp2,model" \
         --out "$out/floor3b.json" ;;

@@ -39,6 +39,7 @@ checkpoint ever covers it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from enum import Enum
 
 import torch
@@ -121,6 +122,9 @@ class FlatParamGroup:
         self.state = ParamState.UNSHARDED
         self._gather_event = None  # GATHERING: the event of the gather in flight
         self._new_weights = None  # the post-step gather of new weights, until compute has waited on it
+        self._stepped = None  # an optimizer step on the optim stream, until compute has waited on it
+        self._step_inputs: tuple[torch.Tensor, ...] = ()  # what that step reads, kept alive until then
+        self._free_grads_after_step = False  # release_grads came while the step was in flight
         self._compute_weights_written = False  # an optimizer wrote this step's weights in the compute dtype
         self._gather_input_ready = False  # `unsharded[param_range]` already holds the cast of `main`
         self.main_params: list[MainParam] = build_main_params(self)
@@ -195,6 +199,7 @@ class FlatParamGroup:
         allocated = self.streams.record("compute")
         with self.streams.side("gather"):
             self.streams.wait("gather", allocated)
+            self.streams.wait("gather", self._stepped)  # the step writes the main weights (and the cast of them)
             piece = self.param_shard
             if piece is None:  # cast the main weights into this rank's slot: the gather is then in place
                 piece = self.unsharded[slice(*self.param_range)]
@@ -311,7 +316,10 @@ class FlatParamGroup:
         if self._host_grad_event is not None:
             self.streams.wait("compute", self._host_grad_event)
         self._host_grad_event, self._host_grad_fresh = None, False
-        self.grads.free()
+        if self._stepped is not None:  # the optim stream may still read the buffer: freed once compute waited
+            self._free_grads_after_step = True
+        else:
+            self.grads.free()
 
     # -- after the optimizer step ----------------------------------------------------
 
@@ -332,11 +340,13 @@ class FlatParamGroup:
             lo = self.param_range[0]
             piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
             if piece.data_ptr() != self.main.data_ptr() and not written and not self.offload:
+                self._wait_for_step()
                 piece.copy_(self.main)  # fp32 compute steps the shard in place
             if self.offload or self.plan.post_step_gather:
                 ready = self.streams.record("compute")  # nothing queued on compute still reads the old shard
                 with self.streams.side("gather"):
                     self.streams.wait("gather", ready)
+                    self.streams.wait("gather", self._stepped)
                     if self.offload:  # from pinned host memory, cast on the device; overlaps the next forward
                         piece.copy_(self.main.to(self.device, non_blocking=True))
                     if self.plan.post_step_gather:
@@ -379,8 +389,36 @@ class FlatParamGroup:
         self.wait_for_publish()
         return self.param_shard if self.param_shard is not None else self.main.to(self.compute_dtype)
 
+    @contextmanager
+    def step_on_optim_stream(self, inputs: tuple[torch.Tensor, ...]):
+        """Run the optimizer's kernels for this group inside on the optim stream, overlapping the next forward.
+
+        Everything the step reads or writes must exist before (allocated on compute: the optim stream starts
+        after an event recorded on entry); `inputs` (the gradient and clip coefficient tensors it reads) stay
+        referenced until compute has waited on the step. The next forward's gather of this group waits for the
+        step on the gather stream and its compute on the compute stream (`wait_for_publish`), and so does every
+        reader of the weights that calls `Sharding.wait_for_weights` first (state dicts, checkpoints).
+        """
+        ready = self.streams.record("compute")
+        with self.streams.side("optim"):
+            self.streams.wait("optim", ready)
+            yield
+            self._stepped = self.streams.record("optim")
+        self._step_inputs = inputs
+
+    def _wait_for_step(self) -> None:
+        """Make compute wait for an optimizer step on the optim stream; then what it read may be freed."""
+        if self._stepped is None:
+            return
+        self.streams.wait("compute", self._stepped)
+        self._stepped, self._step_inputs = None, ()
+        if self._free_grads_after_step:
+            self._free_grads_after_step = False
+            self.grads.free()
+
     def wait_for_publish(self) -> None:
-        """Make compute wait for the post-step gather of new weights, before anything reads them."""
+        """Make compute wait for the step and the post-step gather of new weights, before anything reads them."""
+        self._wait_for_step()
         if self._new_weights is not None:
             self.streams.wait("compute", self._new_weights)
             self._new_weights = None

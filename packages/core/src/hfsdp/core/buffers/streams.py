@@ -9,7 +9,10 @@ On CUDA, all-gathers run on the "gather" stream and reduce-scatters on the
 - compute waits on a gather's event before it reads the gathered parameters, and
   a gathered buffer is freed only after that wait;
 - a reduction's input stays referenced until compute has waited on the
-  reduction's event (see `FlatParamGroup.release_reduction`).
+  reduction's event (see `FlatParamGroup.release_reduction`);
+- an optimizer step on the "optim" stream (`FusedAdamW(overlap_next_forward=True)`)
+  is waited for by the next forward's gather and compute of its group, and the
+  gradient buffer it reads is freed only after compute has waited on it.
 
 On CPU (gloo is synchronous) `SyncStreams` runs everything in order and every
 method is a no-op; `TracingStreams` keeps that behaviour but records the
@@ -22,7 +25,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-KINDS = ("compute", "gather", "reduce", "host")
+KINDS = ("compute", "gather", "reduce", "host", "optim")
 
 
 class SyncStreams:
@@ -41,8 +44,9 @@ class SyncStreams:
 
 
 class CudaStreams:
-    """The compute stream plus high-priority side streams for gathers and reductions, and one for copies of
-    offloaded gradients to host memory (so they never queue in front of a reduction)."""
+    """The compute stream plus high-priority side streams for gathers and reductions, one for copies of
+    offloaded gradients to host memory (so they never queue in front of a reduction), and one for an optimizer
+    step that overlaps the next forward (at compute's priority: it fills what compute leaves idle)."""
 
     overlaps = True
 
@@ -52,6 +56,7 @@ class CudaStreams:
             "gather": torch.cuda.Stream(device, priority=-1),
             "reduce": torch.cuda.Stream(device, priority=-1),
             "host": torch.cuda.Stream(device),
+            "optim": torch.cuda.Stream(device),
         }
 
     def side(self, kind: str):

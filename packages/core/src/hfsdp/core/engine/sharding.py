@@ -203,7 +203,10 @@ class Sharding:
     # -- backward ------------------------------------------------------------------------------
 
     def _begin_backward(self) -> None:
-        """Begin a backward: the gradients of a finished step must have been consumed or discarded."""
+        """Begin a backward: the gradients of a finished step must have been consumed or discarded. A step
+        overlapping the forward has been waited for by then unit by unit; waiting here too covers a unit the
+        forward skipped, whose gradient buffer the step read and frees only after that wait."""
+        self.wait_for_weights()
         if self.step.phase is not StepPhase.GRADS_READY:
             return
         if not self.consumed and _any_rank(self._still_held()):
@@ -276,12 +279,12 @@ class Sharding:
                 group.release_grads()
         done = not self.pending  # the inner step is complete: every optimizer over the model has stepped
         synced = self.outer.inner_step_done() if self.outer is not None and done else []
-        for group in self._in_order([*(g for g, _ in stepped), *synced]):
+        for group in self.in_forward_order([*(g for g, _ in stepped), *synced]):
             group.publish_main_weights()
         if done:
             self.step.phase = StepPhase.IDLE
 
-    def _in_order(self, groups: Iterable[FlatParamGroup]) -> list[FlatParamGroup]:
+    def in_forward_order(self, groups: Iterable[FlatParamGroup]) -> list[FlatParamGroup]:
         """`groups`, each once, in the next forward's order, the root first (the same on every rank: publishing is
         collective). Each unit's weights then arrive (a gather, or from host memory) before those of the units that
         run after it, so the forward can start on the first."""
@@ -304,7 +307,7 @@ class Sharding:
                 "(or zero_grad()), when no gradients are held."
             )
         self.wait_for_weights()
-        for group in self._in_order(self.outer.sync()):
+        for group in self.in_forward_order(self.outer.sync()):
             group.publish_main_weights()
 
     def _by_group(self, pieces: list[MainParam]) -> list[tuple[FlatParamGroup, list[MainParam]]]:

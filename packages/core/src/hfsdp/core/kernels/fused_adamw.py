@@ -21,6 +21,14 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
   forward's gather input during the step (allocated then, held until the unit's forward); the
   gather then skips its cast. Each group's gradient buffer is freed as soon as it is stepped, so
   the step itself needs less memory, not more.
+- `overlap_next_forward` (CUDA, with `prestage_gathers`): each group's kernels run on a side stream, groups
+  in the next forward's order (the root first), and the next forward waits for each group's step only where
+  that group's unit runs, so the memory-bound step fills what the forward's compute leaves of the GPU. The
+  arithmetic is the same kernels' on the same inputs: the weights are the same bits as without it. The clip
+  is exact (the norm is taken before any group steps). The price: `step()` returns with the new weights not
+  yet written; read parameters or this optimizer's state only after the model's `wait_for_weights()` (or
+  `FusedAdamW.wait()`); hfsdp's state dicts and checkpoints do it themselves. Offloaded groups and DiLoCo
+  instances step in order as before.
 
 Each group's `exp_avg` and `exp_avg_sq` live in one flat buffer aligned with its main weights, and the
 per-parameter state entries are views into them; state loaded through `load_state_dict` is copied into
@@ -32,6 +40,7 @@ with `offload`, `torch.optim.AdamW(fused=True)` is the better choice.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -71,13 +80,23 @@ class FusedAdamW(torch.optim.AdamW):
         *,
         max_grad_norm: float | None = None,
         prestage_gathers: bool = False,
+        overlap_next_forward: bool = False,
         backend: str = "auto",
     ):
         problems = _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage_gathers, backend)
+        if not isinstance(overlap_next_forward, bool):
+            problems.append(f"overlap_next_forward must be True or False, got {overlap_next_forward!r}")
+        elif overlap_next_forward and not prestage_gathers:
+            problems.append(
+                "overlap_next_forward=True needs prestage_gathers=True (the step must write the next forward's "
+                "gather input, or the gather would cast weights the step has not written yet)"
+            )
         if problems:
             raise ValueError("FusedAdamW: " + "; ".join(problems) + ".")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
         self.max_grad_norm, self.prestage_gathers, self.backend = max_grad_norm, prestage_gathers, backend
+        self.overlap_next_forward = overlap_next_forward
+        self._in_flight: list = []  # groups whose last step ran on the optim stream
         self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
         self.backends_used: set[str] = set()  # which implementations stepped (for benchmarks and tests)
         self._moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(group) -> flat (exp_avg, exp_avg_sq)
@@ -93,6 +112,7 @@ class FusedAdamW(torch.optim.AdamW):
         for options in self.param_groups:
             if options.get("amsgrad") or options.get("maximize"):
                 raise ValueError("FusedAdamW implements plain AdamW: amsgrad and maximize are not supported.")
+        self.wait()  # a step still in flight (step called twice with no forward between)
         by_group, loose = self._members()
         coef = self._clip_coefficient(by_group, loose)
         stepped = []
@@ -103,6 +123,21 @@ class FusedAdamW(torch.optim.AdamW):
         if stepped:
             torch._foreach_add_(stepped, 1.0)
         return loss
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last step's kernels on the optim stream (`overlap_next_forward`),
+        before the parameters or this optimizer's state are read or written outside the model's forward."""
+        for group in self._in_flight:
+            group.wait_for_publish()
+        self._in_flight = []
+
+    def state_dict(self):
+        self.wait()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.wait()
+        super().load_state_dict(state_dict)
 
     def _members(self):
         """The parameters with a gradient: hfsdp pieces by group (engine order: collectives follow it), and the
@@ -152,25 +187,33 @@ class FusedAdamW(torch.optim.AdamW):
             out = None  # a gather input must be written whole
         main_grad = group.grads.main_grad
         device_coef = coef.to(group.main.device) if coef is not None else None
-        for run in _runs(members, self.state, exp_avg, exp_avg_sq, main_grad):
-            lo, hi = run.start, run.stop
-            scalars = _scalars(run.options, run.step + 1)
-            grad = main_grad[lo:hi] if not run.grads else torch.cat([g.reshape(-1) for g in run.grads])
-            used = adamw_run(
-                group.main[lo:hi],
-                grad,
-                exp_avg[lo:hi],
-                exp_avg_sq[lo:hi],
-                scalars,
-                device_coef,
-                None if out is None else out[lo:hi],
-                self.backend,
-            )
-            self.backends_used.add(used)
+        runs = [  # every tensor the kernels read, made here on the compute stream
+            (run, main_grad[run.start : run.stop] if not run.grads else torch.cat([g.reshape(-1) for g in run.grads]))
+            for run in _runs(members, self.state, exp_avg, exp_avg_sq, main_grad)
+        ]
+        aside = self.overlap_next_forward and out is not None and _steps_aside(group)
+        inputs = (*(grad for _, grad in runs), *([device_coef] if device_coef is not None else []))
+        with group.step_on_optim_stream(inputs) if aside else nullcontext():
+            for run, grad in runs:
+                lo, hi = run.start, run.stop
+                used = adamw_run(
+                    group.main[lo:hi],
+                    grad,
+                    exp_avg[lo:hi],
+                    exp_avg_sq[lo:hi],
+                    _scalars(run.options, run.step + 1),
+                    device_coef,
+                    None if out is None else out[lo:hi],
+                    self.backend,
+                )
+                self.backends_used.add(used)
+            if out is not None:
+                covered = max((p.offset + p.stop - p.start for _, p in members), default=0)
+                if group.param_shard is None:
+                    out[covered:].zero_()  # the padding of a gather input: zero, as the cast of `main` would give
+        if aside:
+            self._in_flight.append(group)
         if out is not None:
-            covered = max((p.offset + p.stop - p.start for _, p in members), default=0)
-            if group.param_shard is None:
-                out[covered:].zero_()  # the padding of a gather input: zero, as the cast of `main` would give
             group.compute_weights_written()
         steps = [self.state[piece.param]["step"] for _, piece in members]
         if whole and self.prestage_gathers:
@@ -254,13 +297,21 @@ def _adopt(entry: dict, key: str, flat: torch.Tensor, shape: torch.Size) -> None
 
 
 def _engine_groups(by_group) -> list:
-    """The groups in their engine's order (every rank issues the norm's and the publish's collectives alike)."""
+    """The groups in the next forward's order, the root first (the same on every rank): stepped on a side stream,
+    the forward can start on the first while the others step."""
     groups = [g for g, _ in by_group.values()]
     ordered = []
     for owner in {id(o): o for g in groups if (o := g.owner()) is not None}.values():
-        ordered.extend(g for g in owner.groups if any(g is h for h in groups))
+        ordered.extend(owner.in_forward_order(groups))
     ordered.extend(g for g in groups if not any(g is h for h in ordered))
     return ordered
+
+
+def _steps_aside(group) -> bool:
+    """Whether `group` can step on the optim stream: on a device with side streams, its state on that device, and
+    not a DiLoCo instance's (the outer step reads the main weights right after the inner one)."""
+    owner = group.owner()
+    return group.streams.overlaps and not group.offload and (owner is None or owner.outer is None)
 
 
 def _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage, backend) -> list[str]:
