@@ -29,6 +29,7 @@
 #   train3b       hfsdp train itself on the 3.0B Llama (bench/configs/llama-3.0b.json), every layer compiled, its
 #                 defaults (2 microbatches of 2 per step, FusedAdamW, clip 1.0): MFU as it reports it; then 4 steps
 #                 eager, the reference its losses are checked against
+#                 (and with --overlap-step: the optimizer step overlapping the next forward)
 #   train095      the same for the 0.95B Llama (2 microbatches of 4)
 #   mfu3bm2       the 3.0B compiled, 2 microbatches of 2 per step (hfsdp train's default accumulation): hfsdp's
 #                 default, FSDP2, the model alone (losses checked in the run)
@@ -115,6 +116,7 @@ for name in $phases; do
       T="python3 -m hfsdp.cli train --model-config $model --nproc 1 --device cuda --dtype bf16 --seq-len 2048"
       T="$T --micro-batch-size $mb --global-batch-size $((2 * mb)) --log-every 1"
       phase "$name" 90 200 $T --compile --steps 8 --metrics "$out/$name.jsonl"
+      phase "$name-overlap" 90 200 $T --compile --overlap-step --steps 8 --metrics "$out/$name-overlap.jsonl"
       phase "$name-eager" 40 120 $T --steps 4 --metrics "$out/$name-eager.jsonl" ;;
     mfu3bm2)
       phase mfu3bm2 60 200 $BENCH $L3B --global-batch-size 4 --steps 5 --warmup 2 --compile \

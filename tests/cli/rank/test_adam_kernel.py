@@ -55,6 +55,39 @@ def test_a_kernel_that_cannot_apply_is_refused_naming_the_flag(flags, says):
     assert says in found["--adam-kernel"], found
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ({"adam_kernel": "torch"}, "but --adam-kernel 'torch'"),
+        ({"optimizer": "sgd"}, "but --optimizer 'sgd'"),
+        ({"offload": "optim"}, "which --offload 'optim' does not use"),
+        ({"outer": "diloco", "instances": 2, "sync_every": 5}, "which --outer 'diloco' does not use"),
+    ],
+)
+def test_overlap_step_without_fused_adamw_on_the_gpu_is_refused_naming_the_flag(flags, says):
+    with pytest.raises(ConfigError) as info:
+        _config(overlap_step=True, **flags)
+    found = {p.field: p.message for p in info.value.problems}
+    assert says in found["--overlap-step"], found
+
+
+def test_overlap_step_reaches_fused_adamw():
+    from hfsdp.cli.rank.train_loop import _optimizer
+    from hfsdp.core import FusedAdamW
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for overlap in (False, True):
+        opt = _optimizer(_config(overlap_step=overlap, adam_kernel="fused"), [{"params": params}], torch.device("cpu"))
+        assert isinstance(opt, FusedAdamW) and opt.overlap_next_forward is overlap and opt.prestage_gathers
+
+
+def test_overlap_step_on_the_cpu_with_auto_is_refused_before_launch():
+    """On the CPU --adam-kernel auto steps torch's AdamW: the flag would do nothing, so it is refused (exit 1)."""
+    done = subprocess.run([HFSDP, "train", *SMALL, "--steps", "1", "--overlap-step"], capture_output=True, text=True)
+    assert done.returncode != 0 and "--overlap-step overlaps FusedAdamW's step" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr
+
+
 def _train(tmp_path: Path, kernel: str) -> list[dict]:
     metrics = tmp_path / f"{kernel}.jsonl"
     args = [HFSDP, "train", *SMALL, "--steps", "4", "--lr", "1e-2", "--clip-grad", "0.05", "--adam-kernel", kernel]

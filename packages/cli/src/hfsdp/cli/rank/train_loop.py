@@ -218,7 +218,8 @@ def _optimizer(cfg: TrainConfig, groups, device: torch.device):
     if _fused_adamw(cfg, device):
         from hfsdp.core import FusedAdamW
 
-        return FusedAdamW(groups, lr=cfg.lr, max_grad_norm=cfg.clip_grad or None, prestage_gathers=True)
+        return FusedAdamW(groups, lr=cfg.lr, max_grad_norm=cfg.clip_grad or None, prestage_gathers=True,
+                          overlap_next_forward=cfg.overlap_step)  # fmt: skip
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
 
 

@@ -281,6 +281,21 @@ def _adam_kernel_of_adam(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _overlap_step_needs_fused_adamw(v: dict[str, Any], said) -> str | None:
+    if not v["overlap_step"]:
+        return None
+    if v["optimizer"] != "adam" or v["adam_kernel"] == "torch":
+        used = said("optimizer") if v["optimizer"] != "adam" else said("adam_kernel")
+        return (
+            f"{said('overlap_step')} overlaps hfsdp's FusedAdamW step with the next forward, but {used}; drop it, or "
+            "use --optimizer adam with --adam-kernel fused (or auto)."
+        )
+    if v["outer"] == "diloco" or v["offload"] != "none":
+        used = said("outer") if v["outer"] == "diloco" else said("offload")
+        return f"{said('overlap_step')} needs FusedAdamW on the GPU, which {used} does not use; drop it."
+    return None
+
+
 def _restarts_resume_from_save(v: dict[str, Any], said) -> str | None:
     if v["max_restarts"] and v["save"] is None:
         return (
@@ -313,6 +328,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("offload", "outer"), _diloco_without_offload),
     Rule(("sgd_momentum", "optimizer"), _sgd_momentum_needs_sgd),
     Rule(("adam_kernel", "optimizer", "outer"), _adam_kernel_of_adam),
+    Rule(("overlap_step", "optimizer", "adam_kernel", "outer", "offload"), _overlap_step_needs_fused_adamw),
     Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),

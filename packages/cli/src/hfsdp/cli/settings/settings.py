@@ -258,6 +258,16 @@ SETTINGS: tuple[Setting, ...] = (
         key="train.adam_kernel",
     ),
     Setting(
+        "overlap_step",
+        "--overlap-step",
+        False,
+        bool,
+        "With FusedAdamW (--adam-kernel fused, or auto on a GPU): each layer's optimizer step on a side stream, "
+        "overlapping the next forward; the same weights, bit for bit.",
+        boolean,
+        key="train.overlap_step",
+    ),
+    Setting(
         "sgd_momentum",
         "--sgd-momentum",
         0.9,
