@@ -59,9 +59,10 @@ class HFSDPModule(UnitCall):
     def wait_for_weights(self) -> None:
         """Make the current stream wait for the weights the last optimizer step published.
 
-        The gathers of new weights run on a side stream and the next forward waits
-        for each unit's own; code that reads parameters outside forward right after
-        a step (an EMA, logging a norm) calls this first.
+        The gathers of new weights (and, with `FusedAdamW(overlap_next_forward=True)`,
+        the step itself) run on side streams and the next forward waits for each
+        unit's own; code that reads parameters outside forward right after a step
+        (an EMA, logging a norm) calls this first.
         """
         sharding_of(self).wait_for_weights()
 
