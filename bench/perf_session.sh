@@ -114,15 +114,15 @@ for name in $phases; do
     train3b|train095)
       if [ "$name" = train3b ]; then model=bench/configs/llama-3.0b.json; mb=2; else model=bench/configs/llama-0.95b.json; mb=4; fi
       T="python3 -m hfsdp.cli train --model-config $model --nproc 1 --device cuda --dtype bf16 --seq-len 2048"
-      T="$T --micro-batch-size $mb --global-batch-size $((2 * mb)) --log-every 1"
+      T="$T --micro-batch-size $mb --global-batch-size $((2 * mb)) --log-every 1 --lr 3e-4"  # 3e-3 diverges here
       phase "$name" 90 200 $T --compile --steps 8 --metrics "$out/$name.jsonl"
       phase "$name-overlap" 90 200 $T --compile --overlap-step --steps 8 --metrics "$out/$name-overlap.jsonl"
       phase "$name-eager" 40 120 $T --steps 4 --metrics "$out/$name-eager.jsonl" ;;
     mfu3bm2)
-      phase mfu3bm2 60 200 $BENCH $L3B --global-batch-size 4 --steps 5 --warmup 2 --compile \
+      phase mfu3bm2 60 200 $BENCH $L3B --global-batch-size 4 --steps 5 --warmup 2 --compile --lr 3e-4 \
         --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bm2.json" ;;
     c095m2)
-      phase c095m2 50 200 $BENCH $L095 --global-batch-size 8 --steps 6 --warmup 2 --compile \
+      phase c095m2 50 200 $BENCH $L095 --global-batch-size 8 --steps 6 --warmup 2 --compile --lr 3e-4 \
         --engines "$DEFAULT,fsdp2,model" --out "$out/c095m2.json" ;;
     probe)
       phase probe095 30 120 python3 bench/overlap_probe.py --out "$out/probe095.json"

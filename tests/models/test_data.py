@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from hfsdp.recipes.data import IndexedTokens, SyntheticTokens, microbatch
@@ -28,6 +30,28 @@ def test_synthetic_batches_depend_only_on_the_step():
     a, b = data.global_batch(3, 8), data.global_batch(3, 8)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(data.global_batch(4, 8)[0], a[0])
+
+
+@pytest.mark.parametrize(("vocab", "seq"), [(64, 1), (64, 16), (128, 37), (32000, 2048), (151936, 300)])
+def test_synthetic_sequences_follow_their_recurrence_position_by_position(vocab, seq):
+    """Every token is (a * previous + b) mod V for its sample's rule, stepped one position at a time in plain
+    Python: the closed-form doubling that makes a batch gives exactly those integers, and labels are the tokens
+    shifted by one."""
+    data = SyntheticTokens(vocab_size=vocab, seq_length=seq)
+    tokens, labels = data.samples(5, 6)
+    assert tokens.shape == labels.shape == (6, seq) and tokens.dtype == torch.long
+    assert torch.equal(tokens[:, 1:], labels[:, :-1])
+    rules = _rules(data)
+    for row in torch.cat([tokens, labels[:, -1:]], dim=1).tolist():
+        follows = [all((a * x + b) % vocab == y for x, y in itertools.pairwise(row)) for a, b in rules]
+        assert any(follows), row[:8]
+
+
+def _rules(data: SyntheticTokens) -> list[tuple[int, int]]:
+    gen = torch.Generator().manual_seed(data.seed)
+    a = torch.randint(1, data.vocab_size, (data.rules,), generator=gen) | 1
+    b = torch.randint(0, data.vocab_size, (data.rules,), generator=gen)
+    return list(zip(a.tolist(), b.tolist(), strict=True))
 
 
 def test_samples_are_addressed_by_position_whatever_the_batch_they_are_drawn_in(tmp_path):

@@ -109,13 +109,13 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     board = TensorBoardLog(cfg.tensorboard_dir) if (cfg.tensorboard_dir and rank == 0) else None
     count, times, loss_value = cfg.num_microbatches, [], float("nan")
     shown = reporter(cfg.steps, start, cfg.log_every, shown_up_to) if rank == 0 else None
+    batch = data.samples(consumed, layout.global_batch_size) if start < cfg.steps else None
     with stopping.deferred(), shown or _Silent():
         for step in range(start, cfg.steps):
             beat.beat("step", step + 1)
             if cfg.debug_fail_rank == rank and step == start + 1:
                 raise RuntimeError(f"injected failure on rank {rank} at step {step} (--debug-fail-rank)")
             began = time.perf_counter()
-            batch = data.samples(consumed, layout.global_batch_size)
             total = torch.zeros((), device=device)
             for index in range(count):
                 sharded.set_microbatch(index, count)
@@ -138,6 +138,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             opt.zero_grad()
             schedule.step()
             consumed += layout.global_batch_size
+            # The next batch is made while the device still runs this step's update; the reads below wait for it.
+            batch = data.samples(consumed, layout.global_batch_size) if step + 1 < cfg.steps else None
             loss_value = shared[0].item() / (count * layout.dp)
             elapsed = time.perf_counter() - began
             times.append(elapsed)
