@@ -86,3 +86,18 @@ def plain_steps(model, opt, loss_at, steps: int, clip: float | None = None) -> t
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms
+
+
+def accumulated_loss(sharded, step: int, microbatches: int, rank: int, world: int) -> float:
+    """Forward and backward of this rank's `microbatches` of `step` on a sharded toy (declared with
+    `set_microbatch`); the global mean loss over every rank (collective)."""
+    import torch.distributed as dist
+
+    total = torch.zeros(())
+    for index in range(microbatches):
+        sharded.set_microbatch(index, microbatches)
+        loss = sharded(*microbatch(step, index, microbatches, rank, world))
+        loss.float().backward()
+        total += loss.detach().float()
+    dist.all_reduce(total)
+    return total.item() / (microbatches * world)

@@ -58,22 +58,13 @@ def _shard(world, layout, mp=None, offload=False):
 
 def _train(sharded, opt, rank, world, steps=STEPS, clip=None, schedule=None, start=0):
     """Train `steps` steps of MICROBATCHES from step `start`; return the global losses and gradient norms."""
-    import torch.distributed as dist
-
     from hfsdp.core import clip_grad_norm_, global_grad_norm
 
-    from tests.support.toy_models import microbatch
+    from tests.support.toy_models import accumulated_loss
 
     losses, norms = [], []
     for step in range(start, start + steps):
-        total = torch.zeros(())
-        for index in range(MICROBATCHES):
-            sharded.set_microbatch(index, MICROBATCHES)
-            loss = sharded(*microbatch(step, index, MICROBATCHES, rank, world))
-            loss.float().backward()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (MICROBATCHES * world))
+        losses.append(accumulated_loss(sharded, step, MICROBATCHES, rank, world))
         norm = clip_grad_norm_(sharded, clip) if clip is not None else global_grad_norm(sharded)
         norms.append(norm.item())
         opt.step()

@@ -24,7 +24,7 @@ from hfsdp.core.kernels.adamw_kernel import AdamWScalars, adamw_run
 from hfsdp.core.kernels.fused_adamw import FusedAdamW
 
 from tests.support.distributed import run_distributed
-from tests.support.toy_models import global_batch, make_toy, microbatch, plain_steps
+from tests.support.toy_models import accumulated_loss, global_batch, make_toy, plain_steps
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton does not import here (CPU CI): the torch path runs")
@@ -161,20 +161,12 @@ def _shard(world, layout, mp=None):
 
 
 def _train(sharded, opt, rank, world, steps, start=0, clip_apart=False):
-    import torch.distributed as dist
 
     from hfsdp.core import clip_grad_norm_
 
     losses, norms = [], []
     for step in range(start, start + steps):
-        total = torch.zeros(())
-        for index in range(MICRO):
-            sharded.set_microbatch(index, MICRO)
-            loss = sharded(*microbatch(step, index, MICRO, rank, world))
-            loss.float().backward()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (MICRO * world))
+        losses.append(accumulated_loss(sharded, step, MICRO, rank, world))
         if clip_apart:
             norms.append(clip_grad_norm_(sharded, CLIP).item())
         opt.step()

@@ -16,15 +16,13 @@ import torch
 from hfsdp.core.kernels.fused_adamw import FusedAdamW
 
 from tests.support.distributed import run_distributed
-from tests.support.toy_models import make_toy, microbatch
+from tests.support.toy_models import accumulated_loss, make_toy
 
 LR, WD, CLIP, STEPS, MICRO = 1e-2, 0.1, 0.05, 3, 2
 LAYOUTS = {"ZeRO-3 1x2": ("no_shard", 1), "HFSDP 2x1": ("optim", 2)}
 
 
 def _run(rank, world):
-    import torch.distributed as dist
-
     from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard, sharding_of
     from hfsdp.core.buffers.streams import TracingStreams
 
@@ -43,14 +41,7 @@ def _run(rank, world):
                              prestage_gathers=True, overlap_next_forward=overlap)  # fmt: skip
             losses, held_after_step = [], []
             for step in range(STEPS):
-                total = torch.zeros(())
-                for index in range(MICRO):
-                    sharded.set_microbatch(index, MICRO)
-                    loss = sharded(*microbatch(step, index, MICRO, rank, world))
-                    loss.float().backward()
-                    total += loss.detach().float()
-                dist.all_reduce(total)
-                losses.append(total.item() / (MICRO * world))
+                losses.append(accumulated_loss(sharded, step, MICRO, rank, world))
                 streams.mark("step", step)
                 opt.step()
                 opt.zero_grad()
