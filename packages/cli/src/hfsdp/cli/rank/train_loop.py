@@ -117,16 +117,20 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
                 raise RuntimeError(f"injected failure on rank {rank} at step {step} (--debug-fail-rank)")
             began = time.perf_counter()
             total = torch.zeros((), device=device)
-            for index in range(count):
+            # Every microbatch on the device before any compute: a copy from pageable host memory waits for the
+            # work queued before it, which after the first microbatch would be that microbatch's whole backward.
+            inputs = [[t.to(device) for t in microbatch(batch, i, count, rank, layout.dp, apart)] for i in range(count)]
+            for index, (tokens, labels) in enumerate(inputs):
                 sharded.set_microbatch(index, count)
-                tokens, labels = (t.to(device) for t in microbatch(batch, index, count, rank, layout.dp, apart))
                 loss = built.loss(sharded, tokens, labels)
                 loss.backward()
                 total += loss.detach()
             # The stop flag and "my checkpoint file is written" ride on the loss's all-reduce: every rank learns of
             # a signal, and of a background save every rank has written, after the same step.
-            flags = [float(stopping.requested() is not None), saver.written()]
-            shared = torch.cat([total.reshape(1), torch.tensor(flags, device=device)])
+            flags = [float(stopping.requested() is not None), float(saver.written())]
+            # Filled on the device (no copy from the host, which would wait for the backward before the host could
+            # queue the update).
+            shared = torch.stack([total, *(torch.full((), f, device=device) for f in flags)])
             dist.all_reduce(shared)
             if not clips_in_step:
                 norm = clip_grad_norm_(sharded, cfg.clip_grad) if cfg.clip_grad else global_grad_norm(sharded)
