@@ -62,11 +62,12 @@ def test_a_kernel_that_cannot_apply_is_refused_naming_the_flag(flags, says):
         ({"optimizer": "sgd"}, "but --optimizer 'sgd'"),
         ({"offload": "optim"}, "which --offload 'optim' does not use"),
         ({"outer": "diloco", "instances": 2, "sync_every": 5}, "which --outer 'diloco' does not use"),
+        ({"dtype": "fp32"}, "drop it or use --dtype bf16"),
     ],
 )
 def test_overlap_step_without_fused_adamw_on_the_gpu_is_refused_naming_the_flag(flags, says):
     with pytest.raises(ConfigError) as info:
-        _config(overlap_step=True, **flags)
+        _config(overlap_step=True, **{"dtype": "bf16", **flags})
     found = {p.field: p.message for p in info.value.problems}
     assert says in found["--overlap-step"], found
 
@@ -77,13 +78,15 @@ def test_overlap_step_reaches_fused_adamw():
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     for overlap in (False, True):
-        opt = _optimizer(_config(overlap_step=overlap, adam_kernel="fused"), [{"params": params}], torch.device("cpu"))
+        cfg = _config(overlap_step=overlap, adam_kernel="fused", dtype="bf16")
+        opt = _optimizer(cfg, [{"params": params}], torch.device("cpu"))
         assert isinstance(opt, FusedAdamW) and opt.overlap_next_forward is overlap and opt.prestage_gathers
 
 
-def test_overlap_step_on_the_cpu_with_auto_is_refused_before_launch():
-    """On the CPU --adam-kernel auto steps torch's AdamW: the flag would do nothing, so it is refused (exit 1)."""
-    done = subprocess.run([HFSDP, "train", *SMALL, "--steps", "1", "--overlap-step"], capture_output=True, text=True)
+def test_overlap_step_on_the_cpu_is_refused_before_launch():
+    """On the CPU there is no side stream: the flag would do nothing, so it is refused before launch."""
+    args = [HFSDP, "train", *SMALL, "--steps", "1", "--dtype", "bf16", "--overlap-step"]
+    done = subprocess.run(args, capture_output=True, text=True)
     assert done.returncode != 0 and "--overlap-step overlaps FusedAdamW's step" in done.stderr + done.stdout
     assert "Traceback" not in done.stderr
 

@@ -162,13 +162,12 @@ def _device(cfg: TrainConfig, local_ranks: int, problems: list[Problem]) -> None
         )
         return
     gpus = torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 0
-    if cfg.overlap_step and not gpus and cfg.adam_kernel == "auto":
+    if cfg.overlap_step and not gpus:
         problems.append(
             Problem(
                 "--overlap-step",
-                "--overlap-step overlaps FusedAdamW's step with the next forward on a GPU, but this run trains on "
-                "the CPU, where --adam-kernel auto steps torch's AdamW; drop --overlap-step (or give --adam-kernel "
-                "fused: on the CPU it then steps in order).",
+                "--overlap-step overlaps FusedAdamW's step with the next forward on a GPU's side stream, but this "
+                "run trains on the CPU, which has none (every step runs in order); drop --overlap-step.",
             )
         )
     if gpus and local_ranks > gpus:

@@ -293,6 +293,11 @@ def _overlap_step_needs_fused_adamw(v: dict[str, Any], said) -> str | None:
     if v["outer"] == "diloco" or v["offload"] != "none":
         used = said("outer") if v["outer"] == "diloco" else said("offload")
         return f"{said('overlap_step')} needs FusedAdamW on the GPU, which {used} does not use; drop it."
+    if v["dtype"] != "bf16":
+        return (
+            f"{said('overlap_step')} overlaps the step that writes the next forward's bf16 weights, but "
+            f"{said('dtype')} computes with the fp32 weights the step itself updates; drop it or use --dtype bf16."
+        )
     return None
 
 
@@ -328,7 +333,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("offload", "outer"), _diloco_without_offload),
     Rule(("sgd_momentum", "optimizer"), _sgd_momentum_needs_sgd),
     Rule(("adam_kernel", "optimizer", "outer"), _adam_kernel_of_adam),
-    Rule(("overlap_step", "optimizer", "adam_kernel", "outer", "offload"), _overlap_step_needs_fused_adamw),
+    Rule(("overlap_step", "optimizer", "adam_kernel", "outer", "offload", "dtype"), _overlap_step_needs_fused_adamw),
     Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),

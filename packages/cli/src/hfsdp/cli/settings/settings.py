@@ -262,8 +262,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--overlap-step",
         False,
         bool,
-        "With FusedAdamW (--adam-kernel fused, or auto on a GPU): each layer's optimizer step on a side stream, "
-        "overlapping the next forward; the same weights, bit for bit.",
+        "On a GPU, bf16, with FusedAdamW (--adam-kernel fused or auto): each layer's optimizer step on a side "
+        "stream, overlapping the next forward; the same weights, bit for bit.",
         boolean,
         key="train.overlap_step",
     ),
