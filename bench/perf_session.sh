@@ -31,6 +31,9 @@
 #                 eager, the reference its losses are checked against
 #                 (and with --overlap-step: the optimizer step overlapping the next forward)
 #   train095      the same for the 0.95B Llama (2 microbatches of 4)
+#   train3bmb4, train095mb8
+#                 hfsdp train compiled (and eager, the reference) at one microbatch of 4 (3.0B) or 8 (0.95B) per step
+#   c095mb8       the 0.95B compiled at micro-batch 8: hfsdp's default, FSDP2, Megatron-FSDP, the model alone
 #   mfu3bm2       the 3.0B compiled, 2 microbatches of 2 per step (hfsdp train's default accumulation): hfsdp's
 #                 default, FSDP2, the model alone (losses checked in the run)
 #   c095m2        the 0.95B compiled, 2 microbatches of 4: hfsdp's default, FSDP2, the model alone
@@ -110,17 +113,27 @@ for name in $phases; do
         --out "$out/mfu3bliger.json" ;;
     mfu3bmb4)
       phase mfu3bmb4 100 200 $BENCH ${L3B/--micro-batch-size 2/--micro-batch-size 4} --steps 5 --warmup 2 --compile \
-        --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bmb4.json" ;;
-    train3b|train095)
-      if [ "$name" = train3b ]; then model=bench/configs/llama-3.0b.json; mb=2; else model=bench/configs/llama-0.95b.json; mb=4; fi
-      T="python3 -m hfsdp.cli train --model-config $model --nproc 1 --device cuda --dtype bf16 --seq-len 2048"
-      T="$T --micro-batch-size $mb --global-batch-size $((2 * mb)) --log-every 1 --lr 3e-4"  # 3e-3 diverges here
+        --lr 3e-4 --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bmb4.json" ;;
+    train3b|train095|train3bmb4|train095mb8)
+      case $name in
+        train3b) model=3.0b mb=2 gbs=4 ;;      # hfsdp train's default: 2 microbatches per step
+        train095) model=0.95b mb=4 gbs=8 ;;
+        train3bmb4) model=3.0b mb=4 gbs=4 ;;   # one microbatch of twice the sequences: the update over twice the work
+        train095mb8) model=0.95b mb=8 gbs=8 ;;
+      esac
+      T="python3 -m hfsdp.cli train --model-config bench/configs/llama-$model.json --nproc 1 --device cuda --dtype bf16"
+      T="$T --seq-len 2048 --micro-batch-size $mb --global-batch-size $gbs --log-every 1 --lr 3e-4"  # 3e-3 diverges
       phase "$name" 90 200 $T --compile --steps 8 --metrics "$out/$name.jsonl"
-      phase "$name-overlap" 90 200 $T --compile --overlap-step --steps 8 --metrics "$out/$name-overlap.jsonl"
+      case $name in train3b|train095)
+        phase "$name-overlap" 90 200 $T --compile --overlap-step --steps 8 --metrics "$out/$name-overlap.jsonl" ;;
+      esac
       phase "$name-eager" 40 120 $T --steps 4 --metrics "$out/$name-eager.jsonl" ;;
     mfu3bm2)
       phase mfu3bm2 60 200 $BENCH $L3B --global-batch-size 4 --steps 5 --warmup 2 --compile --lr 3e-4 \
         --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bm2.json" ;;
+    c095mb8)
+      phase c095mb8 80 200 $BENCH ${L095/--micro-batch-size 4/--micro-batch-size 8} --steps 6 --warmup 2 --compile \
+        --lr 3e-4 --engines "$DEFAULT,fsdp2,mfsdp,model" --out "$out/c095mb8.json" ;;
     c095m2)
       phase c095m2 50 200 $BENCH $L095 --global-batch-size 8 --steps 6 --warmup 2 --compile --lr 3e-4 \
         --engines "$DEFAULT,fsdp2,model" --out "$out/c095m2.json" ;;

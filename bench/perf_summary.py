@@ -150,7 +150,8 @@ def two(out: Path) -> list[str]:
 
 #: Phases whose whole step-time table the summary repeats (engines side by side, each row's loss verdict in it).
 TABLE_PHASES = (
-    "default3b", "e095", "c095", "mfu3b", "mfu3bliger", "mfu3bmb4", "mfu3bm2", "c095m2", "ligerdbg-fsdp2",
+    "default3b", "e095", "c095", "mfu3b", "mfu3bliger", "mfu3bmb4", "mfu3bm2", "c095m2", "c095mb8",
+    "ligerdbg-fsdp2",
     "ligerdbg-hfsdp", "ov3b", "ov095", "ovc095",
 )  # fmt: skip
 
@@ -163,10 +164,10 @@ def _records(path: Path) -> list[dict]:
 
 
 def trains(out: Path) -> list[str]:
-    """hfsdp train's own figures (train3b, train095): the median step's MFU, and its losses against the eager
-    run of the same phase (the reference)."""
+    """hfsdp train's own figures (the train3b, train095, train3bmb4, train095mb8 phases): the median step's MFU,
+    and its losses against the eager run of the same phase (the reference)."""
     lines = []
-    for name in ("train3b", "train3b-overlap", "train095", "train095-overlap"):
+    for name in ("train3b", "train3b-overlap", "train095", "train095-overlap", "train3bmb4", "train095mb8"):
         base = name.removesuffix("-overlap")
         compiled, eager = _records(out / f"{name}.jsonl"), _records(out / f"{base}-eager.jsonl")
         if not compiled:
