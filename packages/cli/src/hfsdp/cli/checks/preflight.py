@@ -1,8 +1,8 @@
 """What `hfsdp train` checks on this machine before any rank starts: paths, the checkpoint, the device.
 
 The config rules (`train_config.resolve`) judge values; these checks judge the world the
-run will meet: that `--load` is a sound checkpoint of this model, that `--save`, `--metrics`
-and `--tensorboard-dir` can be written (and the last has its package), that no save would
+run will meet: that `--load` is a sound checkpoint of this model, that `--save`, `--metrics`,
+`--tensorboard-dir` and `--profile-dir` can be written (TensorBoard's package there), that no save would
 collide with a published step, that the dataset and the device exist. Each takes seconds at
 most, so a mistake costs a message instead of a minute of spawning ranks and two torch
 tracebacks. Every problem is reported at once, under the flag that caused it.
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hfsdp.cli.settings.report import shown
+from hfsdp.cli.settings.setting import parse_step_range
 from hfsdp.cli.settings.settings import BY_NAME, SETTINGS
 from hfsdp.cli.settings.train_config import TrainConfig
 from hfsdp.core.rules.config import ConfigError, Problem
@@ -110,6 +111,9 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
         _writable_file(Path(cfg.metrics), "--metrics", problems)
     if cfg.tensorboard_dir is not None:
         _tensorboard_dir(Path(cfg.tensorboard_dir), problems)
+    if cfg.profile_dir is not None:
+        _output_dir(Path(cfg.profile_dir), "--profile-dir", problems)
+        _profile_after_resume(cfg, plan.start_step, problems)
     if cfg.save is not None and plan.nothing_to_do(cfg) is None:
         _save_root(cfg, plan.start_step, problems)
     if problems:
@@ -365,12 +369,28 @@ def _tensorboard_dir(directory: Path, problems: list[Problem]) -> None:
             )
         )
         return
-    if directory.exists() and not directory.is_dir():
+    _output_dir(directory, "--tensorboard-dir", problems)
+
+
+def _profile_after_resume(cfg, start_step: int, problems: list[Problem]) -> None:
+    """A resumed run begins after its checkpoint's step: a window that opens at or before it would never record."""
+    first, _ = parse_step_range(cfg.profile_steps)
+    if start_step >= first:
         problems.append(
-            Problem("--tensorboard-dir", f"--tensorboard-dir {directory} is a file; give a directory for the logs.")
+            Problem(
+                "--profile-steps",
+                f"--profile-steps {cfg.profile_steps} begins at or before step {start_step}, where the run resumes "
+                f"from --load, so nothing would be recorded; choose steps after {start_step}.",
+            )
         )
+
+
+def _output_dir(directory: Path, flag: str, problems: list[Problem]) -> None:
+    """A directory the run writes files into: not a file, and it exists writable or can be created."""
+    if directory.exists() and not directory.is_dir():
+        problems.append(Problem(flag, f"{flag} {directory} is a file; give a directory for what it writes."))
         return
-    _writable_dir(directory, "--tensorboard-dir", problems)
+    _writable_dir(directory, flag, problems)
 
 
 def _writable_file(path: Path, flag: str, problems: list[Problem]) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hfsdp.cli.checks.preflight import MODEL_KEY, model_settings
 from hfsdp.cli.rank import stopping, timeline
 from hfsdp.cli.rank.heartbeat import Heartbeat
+from hfsdp.cli.rank.profiling import StepProfiler
 from hfsdp.cli.rank.progress import reporter
 from hfsdp.cli.rank.run_dir import RUN_DIR_ENV, progress_file, read_json, write_json
 from hfsdp.cli.rank.tensorboard_log import TensorBoardLog
@@ -107,12 +108,14 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     saver = Saver(cfg, sharded, opt, built.record, rank)
     metrics = open_metrics(cfg.metrics, start) if (cfg.metrics and rank == 0) else None
     board = TensorBoardLog(cfg.tensorboard_dir) if (cfg.tensorboard_dir and rank == 0) else None
+    profiler = StepProfiler(cfg.profile_dir, cfg.profile_steps, rank, device)
     count, times, loss_value = cfg.num_microbatches, [], float("nan")
     shown = reporter(cfg.steps, start, cfg.log_every, shown_up_to) if rank == 0 else None
     batch = data.samples(consumed, layout.global_batch_size) if start < cfg.steps else None
-    with stopping.deferred(), shown or _Silent():
+    with stopping.deferred(), shown or _Silent(), profiler:
         for step in range(start, cfg.steps):
             beat.beat("step", step + 1)
+            profiler.before_step(step + 1)
             if cfg.debug_fail_rank == rank and step == start + 1:
                 raise RuntimeError(f"injected failure on rank {rank} at step {step} (--debug-fail-rank)")
             began = time.perf_counter()
@@ -147,6 +150,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
             loss_value = shared[0].item() / (count * layout.dp)
             elapsed = time.perf_counter() - began
             times.append(elapsed)
+            profiler.after_step(step + 1)
             record = {
                 "step": step + 1,
                 "loss": loss_value,
@@ -212,6 +216,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
         summary.update(throughput.figures(median))
     if rank == 0:
         _print_summary(cfg, summary, device, throughput)
+        if profiler.written:
+            say(f"profile of steps {cfg.profile_steps}: {', '.join(str(p) for p in profiler.written)} (a trace per "
+                "rank; open one in https://ui.perfetto.dev or chrome://tracing)")  # fmt: skip
     return summary
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hfsdp.cli.settings.setting import parse_step_range
 from hfsdp.cli.settings.settings import DILOCO_SETTINGS, GPT_SETTINGS
 from hfsdp.models import sizes
 
@@ -301,6 +302,20 @@ def _overlap_step_needs_fused_adamw(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _profile_steps_within_run(v: dict[str, Any], said) -> str | None:
+    if v["profile_dir"] is None:
+        if said.explicit("profile_steps"):
+            return f"{said('profile_steps')} says which steps --profile-dir records, but there is none; add it."
+        return None
+    _, last = parse_step_range(str(v["profile_steps"]))
+    if last > v["steps"]:
+        return (
+            f"{said('profile_steps')} ends after the run's last step ({said('steps')}), so the profile would never "
+            f"be written; choose steps up to {v['steps']}."
+        )
+    return None
+
+
 def _restarts_resume_from_save(v: dict[str, Any], said) -> str | None:
     if v["max_restarts"] and v["save"] is None:
         return (
@@ -335,6 +350,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("adam_kernel", "optimizer", "outer"), _adam_kernel_of_adam),
     Rule(("overlap_step", "optimizer", "adam_kernel", "outer", "offload", "dtype"), _overlap_step_needs_fused_adamw),
     Rule(("offload_fraction", "offload"), _fraction_needs_offload),
+    Rule(("profile_steps", "profile_dir", "steps"), _profile_steps_within_run),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),
     Rule(("num_query_groups", "heads"), _query_groups_divide_heads),
     Rule(("min_lr", "lr"), _min_lr_below_lr),

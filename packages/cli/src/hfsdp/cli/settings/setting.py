@@ -55,6 +55,23 @@ def unit_interval(value: object) -> str | None:
     return None if _is_number(value) and 0 <= value < 1 else "must be a number in [0, 1) such as 0.9"
 
 
+def parse_step_range(value: str) -> tuple[int, int] | None:
+    """'K' or 'FIRST-LAST' (whole numbers from 1, FIRST <= LAST) as (first, last); None when it is neither."""
+    first, dash, last = value.strip().partition("-")
+    last = last if dash else first
+    if not (first.isdigit() and last.isdigit()) or not 1 <= int(first) <= int(last):
+        return None
+    return int(first), int(last)
+
+
+def step_range(value: object) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and parse_step_range(value) is not None:
+        return None
+    return "must be a step K or a range FIRST-LAST of steps counted from 1, such as 5 or 3-4"
+
+
 def one_of(*choices: str) -> Check:
     def check(value: object) -> str | None:
         if value in choices:

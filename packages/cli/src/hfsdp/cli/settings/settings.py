@@ -28,6 +28,7 @@ from hfsdp.cli.settings.setting import (
     positive_int,
     positive_number,
     seed,
+    step_range,
     unit_interval,
 )
 from hfsdp.core.outer.outer_config import COMM_DTYPES, CONFIG_KEYS, DiLoCoConfig
@@ -393,6 +394,25 @@ SETTINGS: tuple[Setting, ...] = (
         "per step (needs the tensorboard package).",
         path,
         "none",
+    ),
+    _output(
+        "profile_dir",
+        "--profile-dir",
+        None,
+        str,
+        "Record the steps of --profile-steps with torch.profiler into this directory: a Chrome/Perfetto trace per "
+        "rank and rank 0's table of the costliest operators.",
+        path,
+        "none",
+    ),
+    Setting(
+        "profile_steps",
+        "--profile-steps",
+        "3-4",
+        str,
+        "Steps --profile-dir records, FIRST-LAST counted from 1 as the progress line counts them (one step: K).",
+        step_range,
+        panel="Output",
     ),
     Setting(
         "log_every",
