@@ -34,6 +34,8 @@
 #   train3bmb4, train095mb8
 #                 hfsdp train compiled (and eager, the reference) at one microbatch of 4 (3.0B) or 8 (0.95B) per step
 #   c095mb8       the 0.95B compiled at micro-batch 8: hfsdp's default, FSDP2, Megatron-FSDP, the model alone
+#   prof3b        hfsdp train 3.0B compiled (2 x 2) with --profile-steps 5-6, and bench/trace_gaps.py on its trace:
+#                 how long the GPU sat idle in a step, and what the host was doing then
 #   mfu3bm2       the 3.0B compiled, 2 microbatches of 2 per step (hfsdp train's default accumulation): hfsdp's
 #                 default, FSDP2, the model alone (losses checked in the run)
 #   c095m2        the 0.95B compiled, 2 microbatches of 4: hfsdp's default, FSDP2, the model alone
@@ -128,6 +130,12 @@ for name in $phases; do
         phase "$name-overlap" 90 200 $T --compile --overlap-step --steps 8 --metrics "$out/$name-overlap.jsonl" ;;
       esac
       phase "$name-eager" 40 120 $T --steps 4 --metrics "$out/$name-eager.jsonl" ;;
+    prof3b)
+      T="python3 -m hfsdp.cli train --model-config bench/configs/llama-3.0b.json --nproc 1 --device cuda --dtype bf16"
+      T="$T --seq-len 2048 --micro-batch-size 2 --global-batch-size 4 --log-every 1 --lr 3e-4 --compile --steps 6"
+      phase prof3b 90 200 $T --metrics "$out/prof3b.jsonl" --profile-dir "$out/prof3b" --profile-steps 5-6
+      phase prof3b-gaps 5 60 python3 bench/trace_gaps.py "$out/prof3b/rank0-steps5-6.json.gz" --out "$out/prof3b-gaps.json"
+      cat "$out/prof3b-gaps.log" ;;
     mfu3bm2)
       phase mfu3bm2 60 200 $BENCH $L3B --global-batch-size 4 --steps 5 --warmup 2 --compile --lr 3e-4 \
         --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bm2.json" ;;
