@@ -25,7 +25,7 @@
 #   mfu3b         the 3.0B compiled, and compiled with Liger's kernels (RMSNorm, SwiGLU, RoPE, output projection fused
 #                 with the loss): hfsdp's default and the model alone
 #   mfu3bmb4      the 3.0B compiled at micro-batch 4 (the engine's per-step cost spread over twice the tokens):
-#                 hfsdp's default, FSDP2, the model alone
+#                 hfsdp's default, FSDP2, Megatron-FSDP, the model alone
 #   train3b       hfsdp train itself on the 3.0B Llama (bench/configs/llama-3.0b.json), every layer compiled, its
 #                 defaults (2 microbatches of 2 per step, FusedAdamW, clip 1.0): MFU as it reports it; then 4 steps
 #                 eager, the reference its losses are checked against
@@ -115,7 +115,7 @@ for name in $phases; do
         --out "$out/mfu3bliger.json" ;;
     mfu3bmb4)
       phase mfu3bmb4 100 200 $BENCH ${L3B/--micro-batch-size 2/--micro-batch-size 4} --steps 5 --warmup 2 --compile \
-        --lr 3e-4 --engines "$DEFAULT,fsdp2,model" --out "$out/mfu3bmb4.json" ;;
+        --lr 3e-4 --engines "$DEFAULT,fsdp2,mfsdp,model" --out "$out/mfu3bmb4.json" ;;
     train3b|train095|train3bmb4|train095mb8)
       case $name in
         train3b) model=3.0b mb=2 gbs=4 ;;      # hfsdp train's default: 2 microbatches per step
