@@ -45,7 +45,7 @@ def _layout_id(layout) -> str:
 # -- what every rank runs ----------------------------------------------------------------------------
 
 
-def _shard(world, layout, mp=None, offload=False):
+def _shard(world, layout, mp=None, offload=False, **options):
     from hfsdp.core import fully_shard
     from hfsdp.core.engine.mesh import build_meshes
     from hfsdp.core.rules.config import LayoutConfig
@@ -53,7 +53,9 @@ def _shard(world, layout, mp=None, offload=False):
     outer, inner, instances = layout
     cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
     model = make_toy()
-    return fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, offload=offload)
+    return fully_shard(
+        model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, offload=offload, **options
+    )
 
 
 def _train(sharded, opt, rank, world, steps=STEPS, clip=None, schedule=None, start=0):
@@ -251,7 +253,35 @@ def _world6_cases(rank, world, root):
     out = _layout_runs(rank, world, LAYOUTS_6)
     out["sgd resumed"] = _sgd_resume(rank, world, root)
     out["moe"] = {name: _moe_run(rank, world, layout) for name, layout in MOE_LAYOUTS.items()}
+    out["kept gathered"] = {layout: _kept_gathered(rank, world, layout) for layout in KEPT_LAYOUTS}
     return out
+
+
+#: ZeRO-3 inner axes of 3 and 2 ranks, under an HFSDP and an HSDP outer axis.
+KEPT_LAYOUTS = [("optim", "optim_grads_params", 2), ("no_shard", "optim_grads_params", 3)]
+
+
+def _kept_gathered(rank, world, layout):
+    """reshard_after_forward=False: each unit's gathered parameters held from its forward through its backward,
+    freed after it, and the same training as the reference."""
+    from tests.support.toy_models import microbatch
+
+    sharded = _shard(world, layout, reshard_after_forward=False)
+    units = sharding_of(sharded).units[:-1]
+
+    def held() -> list[int]:
+        return [group.unsharded.untyped_storage().nbytes() for unit in units for group in unit.groups]
+
+    sharded.set_microbatch(0, 1)
+    loss = sharded(*microbatch(0, 0, 1, rank, world))
+    after_forward = held()
+    loss.backward()
+    after_backward = held()
+    sharded.zero_grad()
+    opt = OPTIMIZERS["sgd"](sharded.parameters())
+    losses, norms = _train(sharded, opt, rank, world, clip=RUNS["sgd"])
+    return {"after forward": after_forward, "after backward": after_backward, "losses": losses, "norms": norms,
+            "pieces": _pieces(sharded)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +374,27 @@ def test_non_square_meshes_match_the_single_process_reference(world6, layout, op
     """HSDP, HFSDP and ZeRO-2 over ZeRO-3 on 2x3 and 3x2 meshes (6 ranks) give the reference's losses, norms
     and parameters: a piece index built with the wrong axis size cannot pass here."""
     _check_against_reference(world6, layout, optimizer)
+
+
+@pytest.mark.parametrize("layout", KEPT_LAYOUTS, ids=[_layout_id(x) for x in KEPT_LAYOUTS])
+def test_units_kept_gathered_through_backward_free_them_after_and_train_the_same(world6, layout):
+    """fully_shard(reshard_after_forward=False) on 2x3 and 3x2: every unit still holds its gathered parameters
+    after the forward and none after the backward, and SGD with clipping gives the reference's losses, norms and
+    parameters."""
+    for r in world6:
+        case = r["kept gathered"][layout]
+        assert all(n > 0 for n in case["after forward"]) and not any(case["after backward"]), case
+    results = [{(layout, "sgd"): r["kept gathered"][layout]} for r in world6]
+    _check_against_reference(results, layout, "sgd")
+
+
+def test_reshard_after_forward_takes_only_a_bool():
+    """FSDP2 also takes an int (reshard onto a smaller group); hfsdp does not, and says so at once."""
+    from hfsdp.core import LayoutConfig, fully_shard
+
+    model = make_toy()
+    with pytest.raises(ValueError, match="reshard_after_forward must be True or False"):  # before any mesh is read
+        fully_shard(model, LayoutConfig(world_size=1), None, units=list(model.layers), reshard_after_forward=8)
 
 
 @pytest.mark.parametrize("optimizer", list(RUNS))

@@ -134,6 +134,7 @@ def fully_shard(
     expert_naming: ExpertNaming | None = None,
     streams=None,
     offload: bool | float | str = False,
+    reshard_after_forward: bool = True,
     reshard_root_after_forward: bool = False,
     diloco: DiLoCoConfig | None = None,
     offload_reserve: int | None = None,
@@ -148,6 +149,12 @@ def fully_shard(
       True for all of it, a fraction from 0 to 1 for that share (whole units, the last ones first), or "auto"
       for only what the device cannot hold, leaving `offload_reserve` bytes free (default: 10% of the device)
       for activations (`offload_plan.py`);
+    - `reshard_after_forward`: free each unit's gathered parameters after its forward and gather them again for
+      its backward (ZeRO-3's memory). False keeps them from forward through backward, as FSDP2's
+      `reshard_after_forward=False`: one gather (or, on one rank, one cast) per microbatch instead of two, for
+      every unit's full compute-dtype parameters held at the step's activation peak. A forward without backward
+      (evaluation) then leaves them gathered until the next backward or optimizer step. The root follows
+      `reshard_root_after_forward`;
     - `reshard_root_after_forward`: free the root's parameters after forward. By default the root keeps them
       through backward, as FSDP2's does: when the loss is computed inside the model (a megatron GPT), backward
       needs them at once. When it is computed outside (a transformers model's logits), resharding frees them
@@ -160,6 +167,12 @@ def fully_shard(
         raise ValueError(f"{type(module).__name__} is already sharded by hfsdp; call fully_shard once per model.")
     units = adopt_compile_wrappers(module, list(units))
     check_offload(offload)
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward must be True or False, got {reshard_after_forward!r}: hfsdp frees a unit's "
+            "gathered parameters after its forward or keeps them through backward, but does not reshard them onto "
+            "a smaller group (FSDP2's int)."
+        )
     if offload_reserve is not None and (isinstance(offload_reserve, bool) or not isinstance(offload_reserve, int)):
         raise ValueError(f"offload_reserve must be a whole number of bytes (or None), got {offload_reserve!r}")
     if not any(p.requires_grad for p in module.parameters()):
@@ -174,6 +187,7 @@ def fully_shard(
         expert_naming=expert_naming,
         streams=streams,
         offload=offload,
+        reshard_after_forward=reshard_after_forward,
         reshard_root_after_forward=reshard_root_after_forward,
         diloco=diloco,
         offload_reserve=offload_reserve,

@@ -83,6 +83,7 @@ class Sharding:
         streams,
         offload: bool | float | str,
         reshard_root_after_forward: bool,
+        reshard_after_forward: bool = True,
         diloco: DiLoCoConfig | None = None,
         offload_reserve: int | None = None,
     ):
@@ -124,7 +125,7 @@ class Sharding:
                     unit_module,
                     groups,
                     self.step,
-                    reshard_after_forward=not is_root or reshard_root_after_forward,
+                    reshard_after_forward=reshard_root_after_forward if is_root else reshard_after_forward,
                     input_dtype=mp.param_dtype if is_root else None,
                     before_forward=self.check_units_in_place if is_root else None,
                 )
