@@ -120,9 +120,11 @@ LAYOUTS = {
 }
 SEED = 1234
 ENGINES = ("hfsdp", "fsdp2", "mfsdp", "mfsdp2", "plain", "model")
-#: hfsdp engine variants, `hfsdp+fused[+clip][+prestage][+overlap]`: FusedAdamW instead of torch's fused AdamW, the
-#: clip inside its step, the next forward's gather input written by the step, the step overlapping the next forward.
-VARIANT_PARTS = ("fused", "clip", "prestage", "overlap")
+#: hfsdp engine variants, `hfsdp+fused[+clip][+prestage][+overlap][+keep]`: FusedAdamW instead of torch's fused
+#: AdamW, the clip inside its step, the next forward's gather input written by the step, the step overlapping the
+#: next forward, every unit's gathered parameters kept from its forward through its backward
+#: (`reshard_after_forward=False`).
+VARIANT_PARTS = ("fused", "clip", "prestage", "overlap", "keep")
 SINGLE_DEVICE_ENGINES = ("plain", "model")  # unsharded, on rank 0 alone
 
 
@@ -252,8 +254,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(
             f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}, or hfsdp variants "
-            "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage[+overlap] (FusedAdamW; the clip in its step; "
-            "the gather input written by it; the step overlapping the next forward)"
+            "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage[+overlap][+keep] (FusedAdamW; the clip in its "
+            "step; the gather input written by it; the step overlapping the next forward; the units' parameters "
+            "kept gathered through backward)"
         )
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         p.error(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops}")
@@ -557,7 +560,8 @@ class HfsdpEngine(Engine):
         mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         offload = args.offload or (args.offload_fraction if args.offload_fraction is not None else False)
         # Like FSDP2 below, given reshard_after_forward=True for the root too (as torchtitan does).
-        reshard_root = cfg.inner == "optim_grads_params"
+        keep = variant is not None and "+keep" in variant  # every unit's gather held through its backward
+        reshard_root = cfg.inner == "optim_grads_params" and not keep
         if args.model == "gpt":
             self.model = shard_megatron_model(
                 model, cfg, device.type, mp, offload=offload, reshard_root_after_forward=reshard_root
@@ -571,6 +575,7 @@ class HfsdpEngine(Engine):
                 units=units_of(model),
                 mp=mp,
                 offload=offload,
+                reshard_after_forward=not keep,
                 reshard_root_after_forward=reshard_root,
             )
         self.sharding = sharding_of(self.model)

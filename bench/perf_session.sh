@@ -43,6 +43,9 @@
 #                 model's forward (and backward) on a second stream
 #   ligerdbg      Liger under layer.compile() at 0.95B: FSDP2, then hfsdp's default with CUDA_LAUNCH_BLOCKING=1
 #                 (each its own process: does the illegal memory access follow hfsdp's flat buffers?)
+#   ligerkeep     Liger under layer.compile() at 0.95B with every unit's parameters kept gathered through backward
+#                 (hfsdp's default + keep), and with plain hfsdp (torch's AdamW, no prestaged gathers)
+#   keep3b        the 3.0B compiled, micro-batch 4 and 2 x 2: hfsdp's default with and without keep, FSDP2
 #   overlap       FusedAdamW's step overlapping the next forward (hfsdp's default + overlap), timed back to back
 #                 (no synchronisation between steps): ov3b 3.0B eager, ov095 0.95B eager, ovc095 0.95B compiled,
 #                 each beside hfsdp's default, FSDP2, Megatron-FSDP and the model alone; ovcorrect: gpu_correctness
@@ -154,6 +157,16 @@ for name in $phases; do
         --out "$out/ligerdbg-fsdp2.json"
       phase ligerdbg-hfsdp 40 120 env CUDA_LAUNCH_BLOCKING=1 $BENCH $L095 --steps 3 --warmup 1 --compile --liger \
         --engines "$DEFAULT" --out "$out/ligerdbg-hfsdp.json" ;;
+    ligerkeep)  # does Liger's compiled failure follow the regather for backward, or the prestaged step?
+      phase ligerkeep 40 120 $BENCH $L095 --steps 3 --warmup 1 --compile --liger --engines "$DEFAULT+keep" \
+        --out "$out/ligerkeep.json"
+      phase ligerplain 40 120 $BENCH $L095 --steps 3 --warmup 1 --compile --liger --engines hfsdp \
+        --out "$out/ligerplain.json" ;;
+    keep3b)
+      phase keep3b 60 200 $BENCH ${L3B/--micro-batch-size 2/--micro-batch-size 4} --steps 5 --warmup 2 --compile \
+        --lr 3e-4 --engines "$DEFAULT,$DEFAULT+keep,fsdp2,model" --out "$out/keep3b.json"
+      phase keep3bm2 60 200 $BENCH $L3B --global-batch-size 4 --steps 5 --warmup 2 --compile --lr 3e-4 \
+        --engines "$DEFAULT,$DEFAULT+keep,fsdp2" --out "$out/keep3bm2.json" ;;
     overlap)
       E="$DEFAULT,$DEFAULT+overlap,fsdp2,mfsdp,model"
       phase ov3b 60 200 $BENCH $L3B --steps 6 --warmup 2 --back-to-back --engines "$E" --out "$out/ov3b.json"
