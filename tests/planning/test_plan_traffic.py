@@ -33,8 +33,9 @@ def _layouts(world: int) -> list[tuple[str, str, int]]:
     return out
 
 
-#: (compute dtype, root resharded after forward): bf16 with the root kept (the GPT's default), fp32 with it freed.
-VARIANTS = (("bf16", False), ("fp32", True))
+#: (compute dtype, root resharded after forward, units resharded after forward): bf16 with the root kept (the GPT's
+#: default), fp32 with it freed, bf16 with every unit kept (`reshard_after_forward=False`).
+VARIANTS = (("bf16", False, True), ("fp32", True, True), ("bf16", False, False))
 
 
 def _count(rank, world):
@@ -49,11 +50,13 @@ def _count(rank, world):
     from tests.support.toy_models import make_toy, microbatch
 
     out = {}
-    for (outer, inner, instances), (dtype, root_resharded) in itertools.product(_layouts(world), VARIANTS):
+    for (outer, inner, instances), (dtype, root_resharded, units_resharded) in itertools.product(
+        _layouts(world), VARIANTS
+    ):
         cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
         model = make_toy()
         mp = MixedPrecision(param_dtype=torch.bfloat16 if dtype == "bf16" else None, reduce_dtype=torch.float32)
-        options = {"reshard_root_after_forward": True} if root_resharded else {}
+        options = {"reshard_root_after_forward": root_resharded, "reshard_after_forward": units_resharded}
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, **options)
         opt = torch.optim.AdamW(sharded.parameters())
         with record_comms() as log:
@@ -61,7 +64,7 @@ def _count(rank, world):
                 sharded.set_microbatch(index, MICROBATCHES)
                 sharded(*microbatch(0, index, MICROBATCHES, rank, world)).float().backward()
             opt.step()
-        out[(outer, inner, instances, dtype, root_resharded)] = {
+        out[(outer, inner, instances, dtype, root_resharded, units_resharded)] = {
             "records": sorted((r.op, r.axis, r.group_size, r.numel, r.element_size) for r in log.records),
             "bytes": {axis: log.bytes_sent(axis) for axis in {r.axis for r in log.records}},
         }
@@ -87,17 +90,17 @@ def counted(request):
 
 
 def test_planned_collectives_equal_the_counted_ones(counted):
-    """For every layout, dtype and root policy, the planner's collectives of a step are the counted ones, exactly
-    (op, axis, group size, elements, element size), and so are the bytes per axis, padding included."""
+    """For every layout, dtype and reshard policy (root, units), the planner's collectives of a step are the
+    counted ones, exactly (op, axis, group size, elements, element size), and so are the bytes per axis, padding
+    included."""
     world, ranks = counted
     shape = _toy_shape()
     checked = 0
     for key, case in ranks[0].items():
-        outer, inner, instances, dtype, root_resharded = key
+        outer, inner, instances, dtype, root_resharded, units_resharded = key
         cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
-        planned = step_collectives(
-            groups_for(shape, cfg), MICROBATCHES, 2 if dtype == "bf16" else 4, 4, root_resharded=root_resharded
-        )
+        planned = step_collectives(groups_for(shape, cfg), MICROBATCHES, 2 if dtype == "bf16" else 4, 4,
+                                   root_resharded=root_resharded, units_resharded=units_resharded)  # fmt: skip
         assert sorted(c.record() for c in planned) == case["records"], key
         by_axis = bytes_per_axis(planned)
         assert set(by_axis) == set(case["bytes"]), key

@@ -106,19 +106,26 @@ def post_step_gather(group: Group, index: int, compute_bytes: int) -> list[Colle
     return gathers(group, index, POST_STEP, State.OPTIM, group.plan.post_step_gather, compute_bytes)
 
 
-def gathers_per_microbatch(group: Group, root_resharded: bool) -> int:
-    """Forward and backward each gather a unit's parameters; the root gathers once when it keeps them through."""
-    return 1 if group.is_root and not root_resharded else 2
+def gathers_per_microbatch(group: Group, root_resharded: bool, units_resharded: bool = True) -> int:
+    """Forward and backward each gather a unit's parameters; a unit that keeps them from forward through backward
+    (the root by default, every unit with `reshard_after_forward=False`) gathers once."""
+    resharded = root_resharded if group.is_root else units_resharded
+    return 2 if resharded else 1
 
 
 def step_collectives(
-    groups: list[Group], microbatches: int, compute_bytes: int, reduce_bytes: int = 4, root_resharded: bool = False
+    groups: list[Group],
+    microbatches: int,
+    compute_bytes: int,
+    reduce_bytes: int = 4,
+    root_resharded: bool = False,
+    units_resharded: bool = True,
 ) -> list[Collective]:
     """Every collective of one optimizer step of `microbatches` microbatches (order within a phase not kept)."""
     out: list[Collective] = []
     for m in range(microbatches):
         for index, group in enumerate(groups):
-            phases = (FORWARD, BACKWARD)[: gathers_per_microbatch(group, root_resharded)]
+            phases = (FORWARD, BACKWARD)[: gathers_per_microbatch(group, root_resharded, units_resharded)]
             for phase in phases:
                 out += parameter_gather(group, index, phase, compute_bytes)
             out += microbatch_reduction(group, index, reduce_bytes)
