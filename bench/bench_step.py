@@ -175,6 +175,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "SwiGLU, RoPE, and the output projection fused with the cross-entropy (no logits tensor)",
     )
     p.add_argument(
+        "--liger-without",
+        default="",
+        help="with --liger: Liger kernels to leave out, comma-separated from " + ", ".join(LIGER_KERNELS),
+    )
+    p.add_argument(
         "--offload",
         action="store_true",
         help="optimizer in host memory: hfsdp offload=True, FSDP2 CPUOffloadPolicy (parameters on the host too)",
@@ -250,6 +255,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.timing = args.timers == "on" or (args.timers == "auto" and args.device == "cpu")
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.liger_without = tuple(k.strip() for k in args.liger_without.split(",") if k.strip())
+    if set(args.liger_without) - set(LIGER_KERNELS):
+        p.error(f"--liger-without: choose from {', '.join(LIGER_KERNELS)}, got {','.join(args.liger_without)}")
+    if args.liger_without and not args.liger:
+        p.error("--liger-without leaves kernels out of --liger; add --liger")
     unknown = [e for e in args.engines if e not in ENGINES and not _is_variant(e)]
     if unknown:
         p.error(
@@ -457,15 +467,19 @@ def loss_of(model, tokens, labels):
     return lm_loss(model, tokens, labels)
 
 
-def apply_liger() -> None:
+#: Liger's kernels --liger applies (and --liger-without may leave out); flce: the output projection fused with the loss.
+LIGER_KERNELS = ("rope", "rms_norm", "swiglu", "flce")
+
+
+def apply_liger(without: tuple[str, ...] = ()) -> None:
     """Patch transformers' Llama with Liger's kernels, before any model is built (the classes change)."""
     global FUSED_LINEAR_CROSS_ENTROPY
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-    apply_liger_kernel_to_llama(
-        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
-    )
-    FUSED_LINEAR_CROSS_ENTROPY = True
+    kept = {k: k not in without for k in LIGER_KERNELS}
+    apply_liger_kernel_to_llama(rope=kept["rope"], rms_norm=kept["rms_norm"], swiglu=kept["swiglu"],
+                                cross_entropy=False, fused_linear_cross_entropy=kept["flce"])  # fmt: skip
+    FUSED_LINEAR_CROSS_ENTROPY = kept["flce"]
 
 
 def maybe_compile(args, model) -> None:
@@ -1286,7 +1300,7 @@ def _main(args, device, rank, world) -> int:
     compute_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     shape = gpt_shape(args) if args.model == "gpt" else llama_config(args)
     if args.liger:
-        apply_liger()
+        apply_liger(args.liger_without)
     timers = CallTimers()
     if args.timing or args.profile:
         install_comm_timers(timers)

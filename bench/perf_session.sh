@@ -45,6 +45,7 @@
 #                 (each its own process: does the illegal memory access follow hfsdp's flat buffers?)
 #   ligerkeep     Liger under layer.compile() at 0.95B with every unit's parameters kept gathered through backward
 #                 (hfsdp's default + keep), and with plain hfsdp (torch's AdamW, no prestaged gathers)
+#   ligernorms    Liger's kernels but its RMSNorm, under layer.compile() at 0.95B: hfsdp's default, FSDP2, the model
 #   keep3b        the 3.0B compiled, micro-batch 4 and 2 x 2: hfsdp's default with and without keep, FSDP2
 #   overlap       FusedAdamW's step overlapping the next forward (hfsdp's default + overlap), timed back to back
 #                 (no synchronisation between steps): ov3b 3.0B eager, ov095 0.95B eager, ovc095 0.95B compiled,
@@ -162,6 +163,9 @@ for name in $phases; do
         --out "$out/ligerkeep.json"
       phase ligerplain 40 120 $BENCH $L095 --steps 3 --warmup 1 --compile --liger --engines hfsdp \
         --out "$out/ligerplain.json" ;;
+    ligernorms)  # Liger compiled with hfsdp, without the RMSNorm kernel inductor cannot analyse
+      phase ligernorms 40 150 $BENCH $L095 --steps 3 --warmup 1 --compile --liger --liger-without rms_norm \
+        --engines "$DEFAULT,fsdp2,model" --out "$out/ligernorms.json" ;;
     keep3b)
       phase keep3b 60 200 $BENCH ${L3B/--micro-batch-size 2/--micro-batch-size 4} --steps 5 --warmup 2 --compile \
         --lr 3e-4 --engines "$DEFAULT,$DEFAULT+keep,fsdp2,model" --out "$out/keep3b.json"

@@ -151,7 +151,7 @@ def two(out: Path) -> list[str]:
 #: Phases whose whole step-time table the summary repeats (engines side by side, each row's loss verdict in it).
 TABLE_PHASES = (
     "default3b", "e095", "c095", "mfu3b", "mfu3bliger", "mfu3bmb4", "mfu3bm2", "c095m2", "c095mb8",
-    "ligerdbg-fsdp2", "ligerkeep", "ligerplain", "keep3b", "keep3bm2",
+    "ligerdbg-fsdp2", "ligerkeep", "ligerplain", "ligernorms", "keep3b", "keep3bm2",
     "ligerdbg-hfsdp", "ov3b", "ov095", "ovc095",
 )  # fmt: skip
 
