@@ -578,8 +578,9 @@ class HfsdpEngine(Engine):
         reshard_root = cfg.inner == "optim_grads_params" and not keep
         if args.model == "gpt":
             self.model = shard_megatron_model(
-                model, cfg, device.type, mp, offload=offload, reshard_root_after_forward=reshard_root
-            )
+                model, cfg, device.type, mp, offload=offload, reshard_after_forward=not keep,
+                reshard_root_after_forward=reshard_root,
+            )  # fmt: skip
         else:
             meshes = build_meshes(cfg, device.type)
             self.model = fully_shard(
