@@ -5,13 +5,15 @@ CPU CI runs, the Triton one runs here only under Triton's interpreter, and only 
 (`requires_triton`; the GPU script `bench/perf_session.sh` checks the compiled kernel the same way).
 Both are checked against a float64 evaluation of the same formula. The optimizer is then checked where
 it matters: every layout kind it writes compute weights for (a kept bf16 shard, a prestaged gather
-input), with clipping inside the step, against torch's AdamW on the unsharded model, and through a
-checkpoint that torch's AdamW loads.
+input), with clipping inside the step (a norm that crosses the limit both ways too: steps below it are not
+scaled), with two parameter groups, against torch's AdamW on the unsharded model, and through a checkpoint that
+torch's AdamW loads.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -29,6 +31,9 @@ from tests.support.toy_models import accumulated_loss, global_batch, make_toy, p
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton does not import here (CPU CI): the torch path runs")
 LR, WD, CLIP, STEPS, MICRO = 1e-2, 0.1, 0.05, 3, 2
+#: A limit the toy's gradient norm crosses both ways within CROSS_STEPS steps (3.5, 1.4, 1.8, 1.3, 2.2, ...): steps
+#: above it are clipped, steps below it must keep their gradient as it is (a coefficient capped at 1).
+CROSS, CROSS_STEPS = 1.5, 8
 
 
 def _inputs(n: int, seed: int):
@@ -94,6 +99,31 @@ def test_a_plain_module_trains_as_with_torch_adamw():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     state = opts[1].state_dict()["state"][0]
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].item() == 5.0
+
+
+def _two_groups(named):
+    """Two parameter groups: the weights decayed at LR, the biases undecayed at 3 LR (an ordinary AdamW recipe)."""
+    named = list(named)
+    weights = [p for n, p in named if n.endswith("weight")]
+    biases = [p for n, p in named if not n.endswith("weight")]
+    return [{"params": weights, "weight_decay": WD}, {"params": biases, "weight_decay": 0.0, "lr": 3 * LR}]
+
+
+def test_two_parameter_groups_on_a_plain_module_train_as_with_torch_adamw():
+    """Two groups (decay on one, another lr on the other): each steps with its own options, as torch's AdamW does
+    (5 steps, rtol 1e-5)."""
+    models = [make_toy(), make_toy()]
+    opts = [
+        torch.optim.AdamW(_two_groups(models[0].named_parameters()), lr=LR),
+        FusedAdamW(_two_groups(models[1].named_parameters()), lr=LR),
+    ]
+    for step in range(5):
+        for model, opt in zip(models, opts, strict=True):
+            model(*global_batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
 
 
 INTERPRETED = textwrap.dedent(
@@ -170,7 +200,7 @@ def _train(sharded, opt, rank, world, steps, start=0, clip_apart=False):
         if clip_apart:
             norms.append(clip_grad_norm_(sharded, CLIP).item())
         opt.step()
-        if not clip_apart:
+        if clip_apart is False:  # None: no clipping at all
             norms.append(opt.grad_norm.item())
         opt.zero_grad()
     return losses, norms
@@ -210,6 +240,16 @@ def _ranks(rank, world, root):
         opt = FusedAdamW(sharded.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, prestage_gathers=True)
         losses, norms = _train(sharded, opt, rank, world, STEPS)
         out[name, "fp32"] = {"losses": losses, "norms": norms, "pieces": _pieces(sharded)}
+
+        sharded = _shard(world, layout)
+        opt = FusedAdamW(sharded.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CROSS, prestage_gathers=True)
+        losses, norms = _train(sharded, opt, rank, world, CROSS_STEPS)
+        out[name, "crossing"] = {"losses": losses, "norms": norms, "pieces": _pieces(sharded)}
+
+        sharded = _shard(world, layout)
+        opt = FusedAdamW(_two_groups(sharded.named_parameters()), lr=LR, prestage_gathers=True)
+        losses, _ = _train(sharded, opt, rank, world, STEPS, clip_apart=None)
+        out[name, "two groups"] = {"losses": losses, "pieces": _pieces(sharded)}
 
         bf16 = MixedPrecision(param_dtype=torch.bfloat16)
         results = {}
@@ -255,9 +295,10 @@ def _assemble(ranks, shapes):
     return {name: t.view(shapes[name]) for name, t in full.items()}
 
 
-def _torch_reference(steps=STEPS, clip=CLIP):
+def _torch_reference(steps=STEPS, clip=CLIP, groups=False):
     model = make_toy()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    params = _two_groups(model.named_parameters()) if groups else model.parameters()
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
     losses, norms = plain_steps(model, opt, lambda step: model(*global_batch(step)), steps, clip)
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -271,6 +312,34 @@ def test_clipped_fused_steps_match_torch_adamw_on_the_unsharded_model(world2, na
     torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
     params = _assemble([r[name, "fp32"]["pieces"] for r in world2], {n: p.shape for n, p in ref_params.items()})
+    for n, value in ref_params.items():
+        torch.testing.assert_close(params[n], value, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_norm_crossing_the_limit_both_ways_is_clipped_only_above_it(world2, name):
+    """fp32, 8 steps clipped at 1.5 while the global norm goes above and below it (crossing both ways): losses, norms
+    and parameters are torch's AdamW after clip_grad_norm_ on the one-process model (rtol 1e-5), so a step below the
+    limit leaves its gradient unscaled."""
+    ref_losses, ref_norms, ref_params = _torch_reference(steps=CROSS_STEPS, clip=CROSS)
+    pairs = list(itertools.pairwise(ref_norms))
+    assert any(a > CROSS > b for a, b in pairs) and any(a < CROSS < b for a, b in pairs), ref_norms
+    case = world2[0][name, "crossing"]
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    params = _assemble([r[name, "crossing"]["pieces"] for r in world2], {n: p.shape for n, p in ref_params.items()})
+    for n, value in ref_params.items():
+        torch.testing.assert_close(params[n], value, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_two_parameter_groups_match_torch_adamw_on_the_unsharded_model(world2, name):
+    """fp32, 3 steps, weights decayed at lr 1e-2 and biases undecayed at 3e-2 (runs cut where the options change):
+    losses and parameters are those of torch's AdamW with the same two groups on the one-process model (rtol 1e-5)."""
+    ref_losses, _, ref_params = _torch_reference(clip=None, groups=True)
+    case = world2[0][name, "two groups"]
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    params = _assemble([r[name, "two groups"]["pieces"] for r in world2], {n: p.shape for n, p in ref_params.items()})
     for n, value in ref_params.items():
         torch.testing.assert_close(params[n], value, rtol=1e-5, atol=1e-6, msg=n)
 
