@@ -7,7 +7,9 @@ forward and backward they are what an optimizer must step, this rank's fp32 main
 `torch.optim.AdamW(model.parameters())` trains it. What the subclass adds or changes:
 
 - `set_microbatch(index, count)`: declare gradient accumulation (the last microbatch reduces
-  over every axis, the others only where the inner axis shards gradients);
+  over every axis, the others only where the inner axis shards gradients); hfsdp divides by `count`;
+- FSDP2's `set_requires_gradient_sync`, `set_requires_all_reduce`, `set_is_last_backward` and FSDP1's
+  `no_sync()`: the same accumulation with FSDP2's meaning, where the user scales the loss (`step.py`);
 - `clip_grad_norm_(max_norm)`: the global norm over all ranks (as FSDP1's method; torch's
   `torch.nn.utils.clip_grad_norm_` is made to compute the same on these parameters);
 - `state_dict()` / `load_state_dict()`: full, gathered to rank 0 on the CPU, loadable by the
@@ -21,7 +23,8 @@ forward and backward they are what an optimizer must step, this rank's fp32 main
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -50,6 +53,35 @@ class HFSDPModule(UnitCall):
         """Declare the next backward as microbatch `index` of `count` in this optimizer step (gradient
         accumulation: the gradient is then that of the mean loss over all `count` microbatches and all ranks)."""
         sharding_of(self).step.set_microbatch(index, count)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: whether the next backward reduces the gradients over every axis. With False, gradients
+        accumulate (reduced only where the inner axis shards them, which sums the same); set True before the
+        last microbatch. As with FSDP2 the loss is yours to scale (`(loss / M).backward()`): the engine divides
+        by the data-parallel size alone. `recurse` is accepted for FSDP2's signature: the flag is the model's."""
+        sharding_of(self).step.set_sync_flag("set_requires_gradient_sync", requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's, for HSDP/HFSDP: whether the next backward also reduces over the outer axis. With False the
+        step's gradients are not ready until a backward with True (and gradient sync on)."""
+        sharding_of(self).step.set_sync_flag("set_requires_all_reduce", requires_all_reduce)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's hint that the next backward is the step's last. hfsdp finishes every backward's reductions
+        anyway, so it changes nothing but the declaration (which `set_microbatch` cannot then be mixed with)."""
+        sharding_of(self).step.set_sync_flag("set_is_last_backward", is_last_backward)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """FSDP1's and DDP's: backwards inside accumulate without reducing over every axis; the first backward
+        after the block reduces the sum. The loss is yours to scale, as with `set_requires_gradient_sync`."""
+        step = sharding_of(self).step
+        before = step.gradient_sync
+        step.set_sync_flag("set_requires_gradient_sync", False)
+        try:
+            yield
+        finally:
+            step.gradient_sync = before
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Scale the gradients so their global norm (over all ranks) is at most `max_norm`; return the norm

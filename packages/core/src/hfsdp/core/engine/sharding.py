@@ -40,9 +40,10 @@ from hfsdp.core.buffers.mixed_precision import MixedPrecision
 from hfsdp.core.buffers.streams import streams_for
 from hfsdp.core.engine.dtensor import flat_dtensor
 from hfsdp.core.engine.mesh import HybridMeshes
-from hfsdp.core.engine.step import StepContext, StepPhase
-from hfsdp.core.engine.unit import ShardedUnit, unit_class
+from hfsdp.core.engine.step import Accumulation, StepContext, StepPhase
+from hfsdp.core.engine.unit import SHARDING_ATTRIBUTE, ShardedUnit, unit_class
 from hfsdp.core.engine.unit_forward import compile_wrapper_message
+from hfsdp.core.engine.unit_tree import check_unit_modules, claim_parameters
 from hfsdp.core.offload.offload_plan import plan_offload
 from hfsdp.core.outer.outer_config import DiLoCoConfig
 from hfsdp.core.outer.outer_sync import OuterSync
@@ -50,7 +51,7 @@ from hfsdp.core.rules.config import LayoutConfig
 from hfsdp.core.rules.expert_naming import ExpertNaming
 from hfsdp.core.rules.placement_names import State
 
-ATTRIBUTE = "_hfsdp_sharding"
+ATTRIBUTE = SHARDING_ATTRIBUTE
 
 
 def is_expert_param_default(name: str, param: nn.Parameter) -> bool:
@@ -95,15 +96,11 @@ class Sharding:
         self.step = StepContext(meshes.dense_layout.reduced_size, self._begin_backward, self._end_backward)
         self.pending: set[str] = set()  # names of ready gradients no optimizer step has consumed yet
         self.consumed = False  # some optimizer stepped since the gradients became ready
-        names = {p: n for n, p in module.named_parameters()}
+        units = list(units)
         locations = _locations(module)
-        # Every unit's parameters first: building a group swaps its modules' parameters for the main params.
-        claimed: set[nn.Parameter] = set()
-        unit_modules, unit_params = [*units, module], []
-        for unit_module in unit_modules:
-            params = [(names[p], p) for p in unit_module.parameters() if p not in claimed and p.requires_grad]
-            claimed.update(p for _, p in params)
-            unit_params.append(params)
+        # Each parameter goes to the innermost unit that holds it (`unit_tree.py`); the root takes the rest.
+        unit_params = claim_parameters(module, units, check_unit_modules(module, units))
+        unit_modules = [*units, module]
         # Which units keep their fp32 main weights and optimizer state in host memory (offload_plan.py).
         on_device = sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type == "cuda")
         compute_bytes = (mp.param_dtype or torch.float32).itemsize
@@ -216,8 +213,9 @@ class Sharding:
                 "backward() was called again after the last microbatch of a step, before optimizer.step() or "
                 "zero_grad(): hfsdp reduced the step's gradients over all ranks on its last microbatch and cannot "
                 f"add to them ({len(self.pending)} parameters hold them: {shown}). Call optimizer.step() (or "
-                "model.zero_grad()) first, or declare gradient accumulation with model.set_microbatch(index, "
-                "count) before each microbatch."
+                "model.zero_grad()) first, or declare gradient accumulation: model.set_microbatch(index, count) "
+                "before each microbatch (hfsdp divides by count), or FSDP2's model.set_requires_gradient_sync(i == "
+                "M - 1) with (loss / M).backward()."
             )
         self.zero_grad()
 
@@ -253,6 +251,12 @@ class Sharding:
         self._check_in_place(pieces)
         self.wait_for_weights()
         if self.step.phase is StepPhase.ACCUMULATING:
+            if self.step.accumulation is Accumulation.SYNC_FLAGS:
+                raise RuntimeError(
+                    "optimizer.step() was called after a backward with set_requires_gradient_sync(False) (or "
+                    "set_requires_all_reduce(False), or inside no_sync()): the gradients are reduced over all ranks "
+                    "only by a backward with both set to True. Set them before the last microbatch's backward."
+                )
             raise RuntimeError(
                 f"optimizer.step() was called after microbatch {self.step.index} of {self.step.count} declared with "
                 "set_microbatch: the gradients are reduced over all ranks on the last microbatch only. Step after "

@@ -43,6 +43,8 @@ from hfsdp.core.engine.step import StepContext
 
 #: Where a unit module keeps its `ShardedUnit` (in its `__dict__`, beside its parameters and submodules).
 UNIT_ATTRIBUTE = "_hfsdp_unit"
+#: Where a sharded model keeps its engine state (`sharding.Sharding`), in its `__dict__`.
+SHARDING_ATTRIBUTE = "_hfsdp_sharding"
 
 
 def _grad_tensors(tree) -> list[torch.Tensor]:

@@ -1,0 +1,220 @@
+"""FSDP2 habits beyond the module contract: accumulation declared with FSDP2's flags (the user scales the loss),
+nested units, and the calls hfsdp cannot honour refused at `fully_shard` with the fix named.
+
+Every training case runs on HSDP 2x3 and HFSDP 3x2 against the unsharded toy trained on whole global batches in
+one process; the refusals run there too and must leave the model untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.distributed import run_distributed
+from tests.support.toy_models import make_toy, microbatch, reference_run
+
+STEPS, MICROBATCHES = 2, 2
+#: name -> (world, outer, inner, instances)
+LAYOUTS = {
+    "HSDP 2x3": (6, "no_shard", "optim_grads_params", 2),
+    "HFSDP 3x2": (6, "optim", "optim_grads_params", 3),
+}
+ACCUMULATION_STYLES = ("set_requires_gradient_sync", "no_sync", "set_requires_all_reduce")
+NESTINGS = ("outer listed first", "inner listed first")
+
+
+def _shard(model, layout: str, units=None):
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard
+
+    world, outer, inner, instances = LAYOUTS[layout]
+    cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
+    return fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers) if units is None else units)
+
+
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _accumulate_fsdp2_style(layout: str, style: str, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """The FSDP2 user's accumulation loop: M microbatches, `(loss / M).backward()`, the sync declared their way."""
+    model = _shard(make_toy(), layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        for index in range(MICROBATCHES):
+            last = index == MICROBATCHES - 1
+            if style == "set_requires_gradient_sync":
+                model.set_requires_gradient_sync(last)
+            elif style == "set_requires_all_reduce":
+                model.set_is_last_backward(last)
+                model.set_requires_all_reduce(last)
+            loss = model(*microbatch(step, index, MICROBATCHES, rank, world)) / MICROBATCHES
+            if style == "no_sync" and not last:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return _full_weights(model)
+
+
+def _nested(layout: str, nesting: str, rank: int, world: int) -> dict:
+    """Each block and its `up` projection both units, in either order: the same training as one unit per block."""
+    model = make_toy()
+    units = []
+    for layer in model.layers:
+        units += [layer, layer.up] if nesting == "outer listed first" else [layer.up, layer]
+    model = _shard(model, layout, units)
+    from hfsdp.core import sharding_of
+
+    owned = [sorted(s.name for g in u.groups for s in g.slots) for u in sharding_of(model).units[:2]]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        model(*microbatch(step, 0, 1, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"weights": _full_weights(model), "owned": owned}
+
+
+def _refusal(layout: str, case: str) -> str:
+    """The message `fully_shard` (or the second declaration) refused `case` with, and that the model was left alone."""
+    from hfsdp.core import HFSDPModule
+
+    model = make_toy()
+    units = None
+    if case == "tied across units":
+        model.layers[1].up.weight = model.layers[0].up.weight
+    elif case == "unit outside the model":
+        units = [*model.layers, nn.Linear(2, 2)]
+    elif case == "the model in units":
+        units = [*model.layers, model]
+    elif case == "a unit listed twice":
+        units = [*model.layers, model.layers[0]]
+    elif case == "FSDP2's per-layer calls":
+        for layer in model.layers:
+            _shard(layer, layout, units=[])
+    elif case == "meta device":
+        with torch.device("meta"):
+            model = make_toy()
+    before = {n: p for n, p in model.named_parameters()}
+    try:
+        _shard(model, layout, units)
+    except ValueError as err:
+        untouched = not isinstance(model, HFSDPModule) and dict(model.named_parameters()) == before
+        return str(err) if untouched else f"model was changed before the refusal: {err}"
+    return "accepted"
+
+
+def _mixed(layout: str, first: str) -> str:
+    model = _shard(make_toy(), layout)
+    declare = {
+        "set_microbatch": lambda: model.set_microbatch(0, 2),
+        "set_requires_gradient_sync": lambda: model.set_requires_gradient_sync(False),
+    }
+    declare[first]()
+    other = next(name for name in declare if name != first)
+    try:
+        declare[other]()
+    except RuntimeError as err:
+        return str(err)
+    return "accepted"
+
+
+def _step_before_sync(layout: str, rank: int, world: int) -> str:
+    model = _shard(make_toy(), layout)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model.set_requires_gradient_sync(False)
+    (model(*microbatch(0, 0, 2, rank, world)) / 2).backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return "accepted"
+
+
+REFUSALS = {
+    "tied across units": "tied",
+    "unit outside the model": "not a submodule",
+    "the model in units": "root unit already",
+    "a unit listed twice": "listed twice",
+    "FSDP2's per-layer calls": "already sharded",
+    "meta device": "meta device",
+}
+
+
+def _all(rank: int, world: int) -> dict:
+    out = {}
+    for layout in LAYOUTS:
+        out[layout] = {
+            "accumulate": {s: _accumulate_fsdp2_style(layout, s, rank, world) for s in ACCUMULATION_STYLES},
+            "nested": {n: _nested(layout, n, rank, world) for n in NESTINGS},
+            "refused": {case: _refusal(layout, case) for case in REFUSALS},
+            "mixed": {first: _mixed(layout, first) for first in ("set_microbatch", "set_requires_gradient_sync")},
+            "step before sync": _step_before_sync(layout, rank, world),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Rank 0's results of every case, both layouts in one spawned group of 6 ranks."""
+    return run_distributed(_all, 6)[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The unsharded toy trained on whole global batches by the same AdamW."""
+    return reference_run(STEPS)[1]
+
+
+def _assert_weights(weights: dict, reference: dict) -> None:
+    for name, value in reference.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("style", ACCUMULATION_STYLES)
+def test_fsdp2_accumulation_with_the_loss_scaled_by_the_user_trains_like_the_unsharded_model(
+    runs, reference, layout, style
+):
+    """FSDP2's `set_requires_gradient_sync(i == M-1)`, FSDP1's `no_sync()`, and `set_is_last_backward` with
+    `set_requires_all_reduce` (HSDP's), each with `(loss / M).backward()`: the weights of whole-batch training."""
+    _assert_weights(runs[layout]["accumulate"][style], reference)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("nesting", NESTINGS)
+def test_nested_units_train_like_the_unsharded_model_and_the_inner_unit_owns_its_parameters(
+    runs, reference, layout, nesting
+):
+    """A block and its `up` projection both units, listed in either order: the inner unit owns `up`'s parameters,
+    the block the rest, and training equals the unsharded model's."""
+    case = runs[layout]["nested"][nesting]
+    expected = [["layers.0.down.bias", "layers.0.down.weight"], ["layers.0.up.bias", "layers.0.up.weight"]]
+    assert sorted(case["owned"]) == expected
+    _assert_weights(case["weights"], reference)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", REFUSALS)
+def test_what_cannot_be_sharded_is_refused_at_fully_shard_naming_the_fix(runs, layout, case):
+    """Ties across units, units outside the model, the model among its units, a unit twice, FSDP2's per-layer calls
+    and meta parameters: one sentence at the call, the model left as it was."""
+    message = runs[layout]["refused"][case]
+    assert REFUSALS[case] in message, message
+    assert "fully_shard" in message or "units=" in message, message
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_two_accumulation_apis_cannot_be_mixed(runs, layout):
+    """`set_microbatch` (hfsdp scales) and FSDP2's flags (the user scales) on one model: the second is refused,
+    whichever came first, so the loss is never divided twice or not at all."""
+    for message in runs[layout]["mixed"].values():
+        assert "who scales the loss" in message, message
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_step_before_the_synced_backward_is_refused(runs, layout):
+    """`optimizer.step()` after a backward with gradient sync off would step unreduced gradients: refused."""
+    assert "set_requires_gradient_sync(False)" in runs[layout]["step before sync"]
