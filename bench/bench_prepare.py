@@ -34,8 +34,8 @@ VOCAB = 32_768
 
 LOOP = r"""
 import json, resource, sys, time
-from transformers import AutoTokenizer
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
+from hfsdp.models.hf_code import load_tokenizer  # AutoTokenizer.from_pretrained, never running a directory's code
+tok = load_tokenizer(sys.argv[1])
 eos, tokens, start = tok.eos_token_id, 0, time.perf_counter()
 with open(sys.argv[2], encoding="utf-8") as f:
     for line in f:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hfsdp.models import hf_config
+from hfsdp.models import hf_code, hf_config
 from hfsdp.models.hf_config import HFModelError
 
 __all__ = ["HFModelError", "build_causal_lm", "causal_lm_loss", "config_from_dict", "decoder_layers", "load_config"]
@@ -45,10 +45,13 @@ def quiet_transformers():
 
 def config_from_dict(data: object, source: str = "the model config"):
     """A transformers config from its dict (`config.to_dict()`, or a config.json's contents), checked by
-    `hf_config` before transformers sees it and after (the architecture's defaults fill in what `data` omits)."""
+    `hf_config` before transformers sees it and after (the architecture's defaults fill in what `data` omits). An
+    architecture only the directory's own code (`auto_map`) builds is refused (`hf_code`): hfsdp never runs it."""
     from transformers import AutoConfig
 
     hf_config.check_hf_config(data, source)
+    if problem := hf_code.model_code_problem(data, source):
+        raise hf_code.OwnCodeError(problem)
     params = {k: v for k, v in data.items() if k != "model_type"}
     try:
         with quiet_transformers():

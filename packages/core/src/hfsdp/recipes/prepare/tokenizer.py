@@ -10,7 +10,7 @@ A directory is checked for tokenizer files before transformers is imported: that
 from __future__ import annotations
 
 import hashlib
-import logging
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,16 +97,15 @@ def load(name: str) -> TokenizerInfo:
 
 
 def _from_pretrained(name: str):
-    for logger in ("transformers", "huggingface_hub"):
-        logging.getLogger(logger).setLevel(logging.ERROR)  # no warnings about unused keys: a problem is an error
+    """transformers' tokenizer through hfsdp's one loader, which never runs a directory's own code (`hf_code`)."""
+    from hfsdp.models.hf_code import OwnCodeError, load_tokenizer
+
+    if importlib.util.find_spec("transformers") is None:
+        raise PrepareError("prepare tokenizes with transformers, which is not installed; `pip install transformers`.")
     try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise PrepareError(
-            "prepare tokenizes with transformers, which is not installed; `pip install transformers`."
-        ) from None
-    try:
-        return AutoTokenizer.from_pretrained(name)
+        return load_tokenizer(name)
+    except OwnCodeError as err:
+        raise PrepareError(str(err)) from None
     except Exception as err:  # transformers' and the hub's errors are of many kinds; each is this one problem
         detail = " ".join(str(err).split())[:400] or type(err).__name__
         raise PathError(
