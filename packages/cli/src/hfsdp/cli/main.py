@@ -3,15 +3,21 @@
 Importing this module must stay cheap (no torch, no megatron): `hfsdp --help` and
 `hfsdp validate-config` on a bad file should answer at once. Commands import heavy
 modules inside their bodies.
+
+Every command is registered with one command class, `_PathsChecked`: the paths a user names on the command line go
+through `settings.user_paths` before the command runs, and an OSError about one of them that escapes the command is
+reported as that flag's one paragraph (exit 2). No command handles the operating system's refusals on its own.
 """
 
 from __future__ import annotations
 
 import inspect
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import PurePath
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
 from hfsdp.cli import help_format
 from hfsdp.cli.commands.ckpt import app as ckpt_app
@@ -19,6 +25,17 @@ from hfsdp.cli.commands.data import app as data_app
 from hfsdp.cli.commands.plan import plan
 from hfsdp.cli.commands.train import train
 from hfsdp.cli.commands.validate import validate_config
+from hfsdp.cli.settings import user_paths
+from hfsdp.cli.settings.report import say
+from hfsdp.cli.settings.setting import path
+from hfsdp.cli.settings.settings import SETTINGS
+
+#: The parameters (beside those typed `Path`) that hold a user's path: the table's path settings, and the
+#: commands' own (`--config`, data prepare's INPUT, `--tokenizer` and `--output`, plan's `--plot`).
+PATH_PARAMS = frozenset(
+    {s.name for s in SETTINGS if s.check is path} | {"config", "inputs", "tokenizer", "output", "plot"}
+)
+EXIT_UNUSABLE = 2
 
 help_format.install()
 app = typer.Typer(
@@ -61,3 +78,40 @@ app.command("validate-config", help=_help(validate_config))(validate_config)
 app.command("plan", help=_help(plan))(plan)
 app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard, import (Hugging Face) and export checkpoints.")
 app.add_typer(data_app, name="data", help="Prepare training data: text to a Megatron indexed dataset.")
+
+
+class _PathsChecked(TyperCommand):
+    """Every command: the paths its flags and arguments name go through `user_paths` before it runs, and an
+    `OSError` about one of them that escapes it is that path's one paragraph (exit 2), not a traceback. One class
+    for every command, so no command handles the operating system's refusals on its own."""
+
+    def invoke(self, ctx):
+        given = []
+        for param in self.params:
+            values = ctx.params.get(param.name)
+            for value in values if isinstance(values, list | tuple) else [values]:
+                if isinstance(value, str | PurePath) and (param.name in PATH_PARAMS or isinstance(value, PurePath)):
+                    given.append((_spelled(param), str(value)))
+        found = user_paths.first_refused(given)
+        if found is None:
+            try:
+                return super().invoke(ctx)
+            except (OSError, ValueError) as err:
+                found = user_paths.blame(err, given)
+                if found is None:
+                    raise
+        say(f"error: {found}", err=True)
+        raise typer.Exit(EXIT_UNUSABLE)
+
+
+def _spelled(param) -> str:
+    """A parameter as its command's help writes it: the long option, or an argument's metavar."""
+    longest = max(getattr(param, "opts", None) or [""], key=len)
+    return longest if longest.startswith("-") else (param.metavar or param.name or "").upper()
+
+
+for _info in [
+    *app.registered_commands,
+    *(c for g in app.registered_groups for c in g.typer_instance.registered_commands),
+]:
+    _info.cls = _PathsChecked

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hfsdp.cli.settings.user_paths import refusal
+
 #: A per-value rule: None when `value` is fine, else what it must be ("must be a positive whole number ...").
 Check = Callable[[Any], str | None]
 
@@ -98,7 +100,12 @@ def fraction_or_auto(value: object) -> str | None:
 
 
 def path(value: object) -> str | None:
-    return None if isinstance(value, str) and value.strip() else "must be a path"
+    """A path as text, and one the operating system could open: a config file's NUL byte or 300-byte component is
+    an invalid value here (validate-config's exit 1), not a traceback where a command first touches it."""
+    if not (isinstance(value, str) and value.strip()):
+        return "must be a path"
+    reason = refusal(value)
+    return None if reason is None else f"must be a path the operating system can open ({reason})"
 
 
 @dataclass(frozen=True)
