@@ -1,5 +1,6 @@
-"""FSDP2 habits beyond the module contract: accumulation declared with FSDP2's flags (the user scales the loss),
-nested units, and the calls hfsdp cannot honour refused at `fully_shard` with the fix named.
+"""FSDP2 habits beyond the module contract: torch's and torchtitan's clipping however imported, accumulation declared
+with FSDP2's flags (the user scales the loss), nested units, and the calls hfsdp cannot honour refused at
+`fully_shard` with the fix named.
 
 Every training case runs on HSDP 2x3 and HFSDP 3x2 against the unsharded toy trained on whole global batches in
 one process; the refusals run there too and must leave the model untouched.
@@ -11,15 +12,19 @@ import pytest
 import torch
 from torch import nn
 
+# Bound at import, before any model is sharded in the process, as a script's first lines bind them.
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+
 from tests.support.distributed import run_distributed
 from tests.support.toy_models import make_toy, microbatch, reference_run
 
-STEPS, MICROBATCHES = 2, 2
+STEPS, MICROBATCHES, CLIP = 2, 2, 0.05
 #: name -> (world, outer, inner, instances)
 LAYOUTS = {
     "HSDP 2x3": (6, "no_shard", "optim_grads_params", 2),
     "HFSDP 3x2": (6, "optim", "optim_grads_params", 3),
 }
+CLIP_STYLES = ("torch's clip_grad_norm_ imported first", "torchtitan's get_total_norm + clip_grads_with_norm_")
 ACCUMULATION_STYLES = ("set_requires_gradient_sync", "no_sync", "set_requires_all_reduce")
 NESTINGS = ("outer listed first", "inner listed first")
 
@@ -34,6 +39,43 @@ def _shard(model, layout: str, units=None):
 
 def _full_weights(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _clipped(layout: str, style: str, rank: int, world: int) -> dict:
+    """Training clipped by torch's utilities bound before sharding: the norms they returned and the weights."""
+    model = _shard(make_toy(), layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = []
+    for step in range(STEPS):
+        model(*microbatch(step, 0, 1, rank, world)).backward()
+        if style == CLIP_STYLES[0]:
+            norm = clip_grad_norm_(model.parameters(), CLIP)
+        else:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = get_total_norm(grads, 2.0, False, None)
+            clip_grads_with_norm_(model.parameters(), CLIP, norm)
+        norms.append(norm.item())
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "weights": _full_weights(model)}
+
+
+def _hidden_grads_refused(layout: str, rank: int, world: int) -> str:
+    """Offloaded, the gradients become `.grad` only at the step: torchtitan's norm of no gradients is refused."""
+    from hfsdp.core import LayoutConfig, build_meshes, fully_shard
+
+    world_size, outer, inner, instances = LAYOUTS[layout]
+    cfg = LayoutConfig(world_size=world_size, inner=inner, outer=outer, instances=instances)
+    model = make_toy()
+    model = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), offload=True)
+    model(*microbatch(0, 0, 1, rank, world)).backward()
+    try:
+        get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        model.zero_grad()
+    return "accepted"
 
 
 def _accumulate_fsdp2_style(layout: str, style: str, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -147,6 +189,8 @@ def _all(rank: int, world: int) -> dict:
     out = {}
     for layout in LAYOUTS:
         out[layout] = {
+            "clipped": {s: _clipped(layout, s, rank, world) for s in CLIP_STYLES},
+            "hidden grads": _hidden_grads_refused(layout, rank, world),
             "accumulate": {s: _accumulate_fsdp2_style(layout, s, rank, world) for s in ACCUMULATION_STYLES},
             "nested": {n: _nested(layout, n, rank, world) for n in NESTINGS},
             "refused": {case: _refusal(layout, case) for case in REFUSALS},
@@ -168,9 +212,36 @@ def reference():
     return reference_run(STEPS)[1]
 
 
+@pytest.fixture(scope="module")
+def clipped_reference():
+    """The unsharded toy trained by the same AdamW, clipped by torch's global norm: (weights, norms)."""
+    _, weights, norms = reference_run(STEPS, clip=CLIP)
+    assert norms[0] > CLIP  # the clip acts, so a local norm would show in the weights
+    return weights, norms
+
+
 def _assert_weights(weights: dict, reference: dict) -> None:
     for name, value in reference.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("style", CLIP_STYLES)
+def test_torch_and_torchtitan_clipping_imported_before_sharding_use_the_global_norm(
+    runs, clipped_reference, layout, style
+):
+    """`from torch.nn.utils import clip_grad_norm_` (or torchtitan's `get_total_norm` + `clip_grads_with_norm_`)
+    bound before `fully_shard`: every rank gets the unsharded model's norm and clips by it."""
+    weights, norms = clipped_reference
+    case = runs[layout]["clipped"][style]
+    torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-6)
+    _assert_weights(case["weights"], weights)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_norm_of_gradients_held_outside_grad_is_refused(runs, layout):
+    """Offloaded gradients are `.grad` only at the step: `get_total_norm` of none of them is refused, not 0."""
+    assert "clip_grad_norm_" in runs[layout]["hidden grads"], runs[layout]["hidden grads"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

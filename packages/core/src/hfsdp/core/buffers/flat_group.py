@@ -246,8 +246,8 @@ class FlatParamGroup:
             return
         if self.grads.reduce_dtype != torch.float32 and not copy:
             return
-        for piece in pieces:
-            if piece.holds and piece.param.grad is None:
+        for piece in pieces:  # an empty piece gets an empty gradient: every rank has one under every name
+            if piece.param.grad is None:
                 piece.param.grad = piece.grad_view()
 
     def start_host_grad_copy(self) -> None:

@@ -100,11 +100,15 @@ class MainParam:
         return self.start == 0 and self.stop == self.shape.numel()
 
     def grad_view(self) -> torch.Tensor:
-        """The reduced gradient of this piece, as an fp32 tensor shaped like `param`."""
+        """The reduced gradient of this piece, as an fp32 tensor shaped like `param` (empty where this rank holds no
+        element: every rank then has a gradient under every name, so a norm over them is one collective on every
+        rank). It knows whose piece it is (`grad_piece_of`), so torch's norm utilities can compute the global norm."""
         grad = self.group.grads.main_grad[self.offset : self.offset + self.stop - self.start]
         if grad.dtype != torch.float32:
             grad = grad.float()
-        return grad.view(self.param.shape)
+        grad = grad.view(self.param.shape)
+        grad._hfsdp_grad_of = weakref.ref(self)
+        return grad
 
 
 def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
@@ -132,6 +136,12 @@ def build_main_params(group: MainWeights) -> list[MainParam]:
 def piece_of(tensor: torch.Tensor) -> MainParam | None:
     """The main param `tensor` is, or None for any other tensor."""
     ref = getattr(tensor, "_hfsdp_piece", None)
+    return ref() if ref is not None else None
+
+
+def grad_piece_of(tensor: torch.Tensor) -> MainParam | None:
+    """The main param whose reduced gradient `tensor` is (`MainParam.grad_view`), or None for any other tensor."""
+    ref = getattr(tensor, "_hfsdp_grad_of", None)
     return ref() if ref is not None else None
 
 

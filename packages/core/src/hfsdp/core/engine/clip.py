@@ -9,10 +9,8 @@ DiLoCo one instance, which clips by its own norm. The infinity norm is a max,
 where replicas do not matter.
 
 `torch.nn.utils.clip_grad_norm_` on pieces would compute this rank's local norm
-and clip by it: silently wrong. `install_torch_clip` makes it right: given hfsdp
-parameters (what `model.parameters()` yields) it computes the global norm of
-exactly those parameters, through the same code as `model.clip_grad_norm_`.
-Any other parameters go to torch's own function, untouched.
+and clip by it: silently wrong. `torch_clip.py` makes torch's utilities compute
+the global norm through this module, however they were imported.
 
 Reading a norm never allocates a gradient: a piece without one counts as zero.
 """
@@ -25,7 +23,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from hfsdp.core.buffers.main_params import MainParam, piece_of
+from hfsdp.core.buffers.main_params import MainParam
 from hfsdp.core.engine.sharding import sharding_of
 from hfsdp.core.rules.placement_names import State
 
@@ -61,6 +59,16 @@ def _device(pieces: list[MainParam]) -> torch.device:
 def pieces_norm(pieces: list[MainParam], norm_type: float = 2.0) -> torch.Tensor:
     """The `norm_type` norm of the gradient of the parameters `pieces` are pieces of, over all ranks (collective)."""
     return _norm(pieces, _grads(pieces), float(norm_type))
+
+
+def grads_norm(pieces: list[MainParam], grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The global `norm_type` norm of `grads`, each the gradient of the piece beside it in `pieces` (collective)."""
+    by_replicas: dict[int, list[torch.Tensor]] = {}
+    for piece, grad in zip(pieces, grads, strict=True):
+        layout = piece.group.layout
+        replicas = layout.reduced_size // layout.shard_factor(State.OPTIM)
+        by_replicas.setdefault(replicas, []).append(grad)
+    return _norm(pieces, by_replicas, float(norm_type))
 
 
 def _norm(pieces: list[MainParam], by_replicas: dict[int, list[torch.Tensor]], norm_type: float) -> torch.Tensor:
@@ -132,36 +140,3 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, error_if_non
     """Scale every gradient piece of the sharded `model` so the global norm is at most `max_norm`; return the norm
     before (collective). The same as `model.clip_grad_norm_(max_norm)`."""
     return clip_pieces_(_pieces(model), max_norm, norm_type, error_if_nonfinite)
-
-
-_torch_clip = None
-
-
-def install_torch_clip() -> None:
-    """Make `torch.nn.utils.clip_grad_norm_` compute the global norm when given hfsdp parameters (once)."""
-    global _torch_clip
-    if _torch_clip is not None:
-        return
-    import torch.nn.utils as utils
-    import torch.nn.utils.clip_grad as clip_grad
-
-    _torch_clip = clip_grad.clip_grad_norm_
-
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        pieces = [piece_of(p) for p in params]
-        if not any(p is not None for p in pieces):
-            return _torch_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        if not all(p is not None for p in pieces):
-            raise TypeError(
-                "clip_grad_norm_ was given parameters of an hfsdp-sharded model together with other tensors; the "
-                "global norm of the sharded ones is a collective over all ranks and cannot be mixed with local "
-                "ones. Clip the sharded model's parameters (model.parameters(), or model.clip_grad_norm_) apart."
-            )
-        return clip_pieces_(pieces, float(max_norm), norm_type, error_if_nonfinite)
-
-    clip_grad_norm_.__doc__ = (_torch_clip.__doc__ or "") + (
-        "\n\nhfsdp: given the parameters of a sharded model, the norm is the global one over all ranks (collective)."
-    )
-    clip_grad.clip_grad_norm_ = clip_grad_norm_
-    utils.clip_grad_norm_ = clip_grad_norm_

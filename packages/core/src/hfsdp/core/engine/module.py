@@ -11,7 +11,7 @@ forward and backward they are what an optimizer must step, this rank's fp32 main
 - FSDP2's `set_requires_gradient_sync`, `set_requires_all_reduce`, `set_is_last_backward` and FSDP1's
   `no_sync()`: the same accumulation with FSDP2's meaning, where the user scales the loss (`step.py`);
 - `clip_grad_norm_(max_norm)`: the global norm over all ranks (as FSDP1's method; torch's
-  `torch.nn.utils.clip_grad_norm_` is made to compute the same on these parameters);
+  `clip_grad_norm_` and `get_total_norm`, however imported, compute the same: `torch_clip.py`);
 - `state_dict()` / `load_state_dict()`: full, gathered to rank 0 on the CPU, loadable by the
   unsharded model; loading writes the fp32 main weights (`state_dict.py`);
 - `zero_grad()`: frees the gradient buffers;
@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from hfsdp.core.buffers.mixed_precision import MixedPrecision
+from hfsdp.core.engine import torch_clip
 from hfsdp.core.engine.clip import clip_grad_norm_ as _clip
-from hfsdp.core.engine.clip import install_torch_clip
 from hfsdp.core.engine.mesh import HybridMeshes
 from hfsdp.core.engine.optimizer_hooks import install as install_optimizer_hooks
 from hfsdp.core.engine.sharding import ATTRIBUTE, Sharding, is_expert_param_default, sharding_of
@@ -227,5 +227,6 @@ def fully_shard(
     module.__dict__[ATTRIBUTE] = sharding
     module.__class__ = _sharded_class(type(module))
     install_optimizer_hooks()
-    install_torch_clip()
+    torch_clip.install()
+    torch_clip.track(sharding)
     return module
