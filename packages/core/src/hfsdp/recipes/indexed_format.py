@@ -64,6 +64,11 @@ def token_stream(prefix: str | Path) -> np.ndarray:
     dtype = next((d for d, c in DTYPE_CODES.items() if c == code), None)
     if dtype is None:
         raise IndexedFormatError(f"{idx}: unknown token dtype code {code}; remake the dataset.")
+    if dtype.kind not in "iu":
+        raise IndexedFormatError(
+            f"{idx} says its tokens are {dtype.name}, which are not token ids (the format also stores other data); "
+            "tokenize the text again into an integer dtype (hfsdp data prepare, or preprocess_data.py)."
+        )
     expected = HEADER.size + sequences * (4 + 8)
     if idx.stat().st_size < expected:
         raise IndexedFormatError(
@@ -89,6 +94,9 @@ def _check_back_to_back(idx: Path, sequences: int, itemsize: int) -> int:
     offset = 0
     for start in range(0, sequences, CHUNK):
         chunk = np.asarray(sizes[start : start + CHUNK], dtype=np.int64)
+        if chunk.size and chunk.min() < 0:
+            at = start + int(np.argmin(chunk))
+            raise IndexedFormatError(f"{idx}: sequence {at:,} has {int(chunk.min()):,} tokens; remake the dataset.")
         starts = offset + np.concatenate(([0], np.cumsum(chunk[:-1]))) * itemsize
         wrong = np.flatnonzero(np.asarray(pointers[start : start + CHUNK]) != starts)
         if wrong.size:

@@ -84,24 +84,14 @@ def save_steps(start: int, steps: int, every: int | None) -> list[int]:
 def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int | None = None) -> Plan:
     """Check everything outside the config; return the Plan or raise PreflightError with every problem.
 
-    `verify_checkpoint` reads every byte of `--load` against its checksums (rank 0 of a torchrun job
-    does it, the others trust it); `local_ranks` is how many ranks this machine starts (for the GPU count).
+    `verify_checkpoint` reads every byte of `--load` against its checksums and every token of `--data-path`
+    against the model's vocabulary (rank 0 of a torchrun job does it, the others trust it; a restart's checks
+    trust what the run's start read); `local_ranks` is how many ranks this machine starts (for the GPU count).
     """
     problems: list[Problem] = []
     _device(cfg, local_ranks if local_ranks is not None else cfg.nproc, problems)
     if cfg.data_path is not None:
-        prefix = cfg.data_path
-        missing = [prefix + ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
-        if missing:
-            problems.append(
-                Problem(
-                    "--data-path",
-                    f"--data-path {prefix} needs {' and '.join(missing)}, which do not exist; give the prefix of a "
-                    "Megatron indexed dataset (PREFIX.bin and PREFIX.idx).",
-                )
-            )
-        else:
-            problems += [Problem("--data-path", message) for message in _dataset_format(prefix) + _dataset(cfg)]
+        problems += [Problem("--data-path", message) for message in _dataset(cfg, verify_checkpoint)]
     if cfg.model_config is not None:
         _hf_model(cfg, problems)
     plan = Plan()
@@ -121,29 +111,10 @@ def preflight(cfg: TrainConfig, verify_checkpoint: bool = True, local_ranks: int
     return plan
 
 
-def _dataset_format(prefix: str) -> list[str]:
-    """A .bin/.idx pair every rank could not stream (not the format, cut short, not belonging together), and the
-    held-out pair its sidecar names, where it names one: read as training will, memory-mapped."""
-    from hfsdp.recipes.indexed_format import IndexedFormatError, token_stream
-    from hfsdp.recipes.prepare.sidecar import SidecarError, validation_prefix
-
-    try:
-        held_out = validation_prefix(prefix)
-    except SidecarError:
-        held_out = None  # a broken sidecar is reported by _dataset
-    found = []
-    for each in [prefix] + ([held_out] if held_out and Path(held_out + ".idx").is_file() else []):
-        try:
-            token_stream(each)
-        except (IndexedFormatError, OSError) as err:
-            found.append(f"--data-path {prefix}: {err}")
-    return found
-
-
-def _dataset(cfg: TrainConfig) -> list[str]:
-    """What the dataset's sidecar (written by `hfsdp data prepare`) says would fail in every rank: token ids past the
-    model's vocabulary, naming the tokenizer that made them; too few tokens; missing held-out files."""
-    from hfsdp.recipes.prepare import sidecar
+def _dataset(cfg: TrainConfig, scan: bool) -> list[str]:
+    """--data-path against the model this run builds (its vocabulary: the GPT's --vocab or --model-config's) and
+    --seq-len: `dataset_check`, which reads every token where `scan`."""
+    from hfsdp.cli.checks import dataset_check
 
     if cfg.model_config is None:
         vocab, model = cfg.vocab, f"the GPT (--vocab {cfg.vocab})"
@@ -153,8 +124,8 @@ def _dataset(cfg: TrainConfig) -> list[str]:
         try:
             vocab, model = hf.load_config(cfg.model_config).vocab_size, cfg.model_config
         except hf.HFModelError:
-            return []  # the config's own problem is reported by _hf_model
-    return sidecar.problems(cfg.data_path, vocab, model, cfg.seq_len, cfg.eval_interval is not None)
+            vocab, model = None, ""  # the config's own problem is reported by _hf_model; the pair is still read
+    return dataset_check.problems(cfg.data_path, vocab, model, cfg.seq_len, cfg.eval_interval is not None, scan)
 
 
 def _device(cfg: TrainConfig, local_ranks: int, problems: list[Problem]) -> None:

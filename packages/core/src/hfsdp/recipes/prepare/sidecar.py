@@ -1,11 +1,12 @@
 """`PREFIX.meta.json`: what made a dataset, read before a run trains on it.
 
-Megatron's `.bin/.idx` pair records tokens, not which tokenizer made them, so a dataset of a 128,000-token
-vocabulary fed to a model of 32,000 fails inside every rank (an index error in the embedding, on a GPU a device
-assert). The sidecar `hfsdp data prepare` writes beside them records the tokenizer (its name, class, vocabulary
-size, EOS and a sha256 of its definition), the largest token id actually written, the counts, and the held-out
-prefix; `hfsdp train` reads it before launch (`problems`) and finds the held-out data through it. A dataset made
-elsewhere has no sidecar and is trained on as before, unchecked. Reading it needs neither torch nor numpy.
+Megatron's `.bin/.idx` pair records tokens, not which tokenizer made them. The sidecar `hfsdp data prepare` writes
+beside them records the tokenizer (its name, class, vocabulary size, EOS and a sha256 of its definition), the largest
+token id written, the counts, and the held-out prefix. `hfsdp train` checks the pair itself before launch
+(`hfsdp.cli.checks.dataset_check`: a pair made elsewhere has no sidecar, and a `.bin` may change after this was
+written); the sidecar adds which tokenizer made the data to a refusal (`made_by`) and names the held-out set.
+It is read as untrusted input (bounded, every field checked) since a rank opens the file it names; reading it
+needs neither torch nor numpy.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hfsdp.models.safe_json import loads
+
 FORMAT = "hfsdp-indexed-dataset"
 VERSION = 1
 SUFFIX = ".meta.json"
 MAX_BYTES = 16 << 20
+MAX_DEPTH = 8
 #: Input paths listed by name (a corpus of a million files is counted, not listed).
 LISTED_INPUTS = 1000
 
@@ -49,20 +53,56 @@ def read(prefix: str | Path) -> dict | None:
     try:
         if len(data) > MAX_BYTES:
             raise ValueError(f"larger than {MAX_BYTES >> 20} MiB")
-        record = json.loads(data)
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise ValueError(f"not a {FORMAT} record")
-        if record.get("version") != VERSION:
-            raise ValueError(f"version {record.get('version')!r}, this hfsdp reads {VERSION}")
-        for key in ("documents", "tokens", "max_token_id"):
-            if not isinstance(record.get(key), int):
-                raise ValueError(f"'{key}' is not a whole number")
+        record = loads(data, MAX_DEPTH)  # JsonError (a ValueError): not JSON, nested too deep, NaN, ...
+        _check(record)
     except ValueError as err:
         raise SidecarError(
             f"{where} is not the sidecar hfsdp data prepare writes ({err}); prepare the data again, or remove the file "
-            "to train on the dataset unchecked."
+            "to train on the dataset with only its .bin/.idx checked."
         ) from None
     return record
+
+
+def _check(record: object) -> None:
+    """ValueError naming the first field of `record` that is not what `write` writes."""
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} record")
+    if record.get("version") != VERSION:
+        raise ValueError(f"version {str(record.get('version'))[:40]}, this hfsdp reads {VERSION}")
+    for key in ("documents", "tokens", "max_token_id"):
+        if not _count(record.get(key)):
+            raise ValueError(f"'{key}' is not a whole number")
+    tokenizer = record.get("tokenizer")
+    if tokenizer is not None and not isinstance(tokenizer, dict):
+        raise ValueError("'tokenizer' is not an object")
+    held_out = record.get("validation")
+    if held_out is None:
+        return
+    if not isinstance(held_out, dict) or not _count(held_out.get("tokens")):
+        raise ValueError("'validation' is not an object with a whole number of 'tokens'")
+    name = held_out.get("prefix")
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError("'validation' names no file beside the dataset")
+    if len(name.encode("utf-8", "surrogatepass")) + len(".bin") > 255:
+        raise ValueError("'validation' names a file longer than a file name can be")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def made_by(record: dict | None) -> str | None:
+    """The tokenizer the sidecar names, as a refusal says it: "NAME (CLASS, vocabulary N)"; None without one."""
+    tokenizer = (record or {}).get("tokenizer")
+    if not tokenizer:
+        return None
+    vocab = tokenizer.get("vocab_size")
+    size = f"vocabulary {vocab:,}" if _count(vocab) else "vocabulary unknown"
+    return f"{_text(tokenizer.get('name'), 'an unnamed tokenizer')} ({_text(tokenizer.get('class'), '?')}, {size})"
+
+
+def _text(value: object, default: str) -> str:
+    return str(value)[:200].encode("ascii", "backslashreplace").decode() if isinstance(value, str) else default
 
 
 def validation_prefix(prefix: str | Path) -> str | None:
@@ -72,45 +112,3 @@ def validation_prefix(prefix: str | Path) -> str | None:
     if not isinstance(held_out, dict) or not isinstance(held_out.get("prefix"), str):
         return None
     return str(Path(prefix).with_name(held_out["prefix"]))
-
-
-def problems(prefix: str, model_vocab: int, model: str, seq_len: int, evaluates: bool) -> list[str]:
-    """What the sidecar of `prefix` says would fail in every rank: token ids past the model's vocabulary (`model`
-    names where its `model_vocab` comes from), fewer tokens than one sequence, missing held-out files."""
-    try:
-        record = read(prefix)
-    except SidecarError as err:
-        return [str(err)]
-    if record is None:
-        return []
-    tokenizer = record.get("tokenizer") or {}
-    made_by = f"{tokenizer.get('name', 'an unnamed tokenizer')} ({tokenizer.get('class', '?')}, vocabulary "
-    made_by += f"{tokenizer['vocab_size']:,})" if isinstance(tokenizer.get("vocab_size"), int) else "unknown)"
-    out = []
-    if record["max_token_id"] >= model_vocab:
-        out.append(
-            f"--data-path {prefix} was tokenized by {made_by} and holds token ids up to {record['max_token_id']:,}, "
-            f"but {model} has a vocabulary of {model_vocab:,}: ids from {model_vocab:,} up are past the model's "
-            f"embedding. Train a model whose vocab_size is at least {record['max_token_id'] + 1:,}, or prepare the "
-            "data again with the model's own tokenizer (hfsdp data prepare --tokenizer DIR)."
-        )
-    sets = [(prefix, record)]
-    held_out = record.get("validation")
-    if evaluates and isinstance(held_out, dict):
-        val = str(Path(prefix).with_name(str(held_out.get("prefix"))))
-        missing = [val + s for s in (".bin", ".idx") if not Path(val + s).is_file()]
-        if missing:
-            out.append(
-                f"--data-path {prefix}'s sidecar names the held-out data {val}, but {' and '.join(missing)} do not "
-                "exist; prepare the data again (--validation-fraction), or remove the sidecar's 'validation'."
-            )
-        else:
-            sets.append((val, held_out))
-    for name, counts in sets:
-        tokens = counts.get("tokens")
-        if isinstance(tokens, int) and tokens < seq_len + 1:
-            out.append(
-                f"{name} holds {tokens:,} tokens, fewer than the {seq_len + 1:,} one sequence of --seq-len {seq_len} "
-                "needs; prepare more text, or lower --seq-len."
-            )
-    return out
