@@ -154,12 +154,10 @@ def test_parquet_reads_the_key_column(tmp_path, tok, expected):
 
 def test_workers_return_tokens_in_the_datasets_dtype(tok, expected):
     """What travels back from a worker is already uint16 (a quarter of int64's bytes); a blank line is no document."""
-    import os
-
     from hfsdp.recipes.prepare import encode, tokenizer
 
     info = tokenizer.load(str(tok))
-    encode.start(encode.Job(info.backend, False, info.eos_id, info.vocab_size, "uint16", "text"), os.getppid())
+    encode.start(encode.Job(info.backend, False, info.eos_id, info.vocab_size, "uint16", "text"))
     out = encode.encode(Batch(0, 1, "line", [b"abc\n", b"\n", b"de\r\n"], 9))
     assert out.tokens.dtype == np.uint16 and out.empty == 1
     assert out.tokens.tolist() == expected("abc") + expected("de")

@@ -288,3 +288,59 @@ def test_a_worker_that_dies_fails_the_run_instead_of_hanging(tmp_path, tok, big)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "a tokenizing worker process died" in err and "Traceback" not in err, err
     assert written(tmp_path) == [] and _gone(workers)
+
+
+#: Loaded by every process of the run through PYTHONPATH (the spawned workers too): a worker's first large message
+#: is sent half, then the worker stalls; the marker file says the pipe now holds half a message.
+SLOW_SEND = """
+import os, sys, time
+if "--multiprocessing-fork" in sys.argv:
+    from multiprocessing import connection
+
+    send = connection.Connection._send
+
+    def _send(self, buf, *args, **kwargs):
+        if len(buf) > 8192 and not getattr(connection, "stalled", False):
+            connection.stalled = True
+            send(self, memoryview(buf)[: len(buf) // 2], *args, **kwargs)
+            open(os.environ["HFSDP_TEST_STALLED"], "w").close()
+            time.sleep(600)
+        return send(self, buf, *args, **kwargs)
+
+    connection.Connection._send = _send
+"""
+
+
+@pytest.mark.parametrize(("signum", "group", "code"), [(signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)])
+def test_a_signal_while_a_worker_sends_its_result_stops_without_hanging(tmp_path, tok, signum, group, code):
+    """The moment that hung: a worker has sent half of a result when the signal comes. The run exits at once with the
+    one line and nothing written (it used to print the line, then wait forever for the rest of the message)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_SEND)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "words " * 50}) + "\n" for i in range(400)))
+    stalled = tmp_path / "stalled"
+    env = {**os.environ, "PYTHONPATH": str(hook), "HFSDP_TEST_STALLED": str(stalled)}
+    proc = subprocess.Popen(
+        [HFSDP, "data", "prepare", str(corpus), "--tokenizer", str(tok), "-o", str(tmp_path / "c"), "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not stalled.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, (out, err)
+    assert err == f"interrupted ({signal.Signals(signum).name}); nothing was written to {tmp_path / 'c'}\n", err
+    assert written(tmp_path) == ["hook", "stalled"] and _gone(workers)

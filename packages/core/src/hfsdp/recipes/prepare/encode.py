@@ -1,24 +1,21 @@
 """What a worker process does: load the tokenizer's backend once, then turn batches into token arrays.
 
-Runs in processes started by `workers.py`, which import only this module, numpy and tokenizers: no transformers,
-no torch. The backend encodes as `tokenizer(text)` does (special tokens as the tokenizer adds them, no truncation,
-no padding) and every document ends with EOS (added unless the tokenizer's own post-processor put it there).
+Runs in the processes `workers.py` starts, which import only these modules, numpy and tokenizers: no
+transformers, no torch. The backend encodes as `tokenizer(text)` does (special tokens as the tokenizer adds them,
+no truncation, no padding) and every document ends with EOS (added unless the tokenizer's own post-processor put
+it there).
 The result is one array of tokens in the dataset's dtype and one of lengths: a compact pickle to send back.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
 from hfsdp.recipes.prepare.sources import Batch, documents
-
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -46,11 +43,9 @@ _job: Job | None = None
 _tokenizer = None
 
 
-def start(job: Job, parent: int) -> None:
-    """A worker's initializer: die with the parent, leave Ctrl-C to it, load the tokenizer."""
+def start(job: Job) -> None:
+    """A worker's setup: load the tokenizer once."""
     global _job, _tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every process; the parent handles it
-    _die_with(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers is the one knob
     from tokenizers import Tokenizer
 
@@ -61,20 +56,10 @@ def start(job: Job, parent: int) -> None:
     _job, _tokenizer = job, tokenizer
 
 
-def _die_with(parent: int) -> None:
-    """Ask Linux to send SIGKILL when the parent dies (even by SIGKILL), so no worker outlives a killed run."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the parent's shutdown still ends the workers
-        return
-    if os.getppid() != parent:  # the parent died before the request was made
-        os._exit(1)
-
-
 def encode(batch: Batch) -> Encoded:
     """Tokenize one batch (in a worker, after `start`)."""
     job, tokenizer = _job, _tokenizer
-    assert job is not None and tokenizer is not None, "encode runs in a worker started by workers.Workers"
+    assert job is not None and tokenizer is not None, "encode runs in a worker, after start(job)"
     texts, bad, empty = documents(batch, job.json_key)
     fast = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster, same ids
     ids = [e.ids for e in fast(texts, add_special_tokens=True)] if texts else []
