@@ -131,6 +131,46 @@ def test_a_json_line_without_the_key_names_the_keys_it_has(tmp_path, tok, corpus
     assert run(corpus, "--tokenizer", tok, "-o", tmp_path / "c", "--json-key", "body").returncode == 1  # 30 lack it
 
 
+#: One line of every kind --skip-bad-lines skips, and the start of what the error says about it.
+BAD_LINES = {
+    "not JSON": (b'{"text": broken\n', "not JSON (Expecting value at column 10)"),
+    "not an object": (b'["text"]\n', "not a JSON object"),
+    "no key": (b'{"body": "x"}\n', "no key 'text' (its keys: 'body'"),
+    "not text": (b'{"text": 7}\n', "'text' holds int, not text"),
+    "not UTF-8": (b'{"text": "\xff"}\n', "not UTF-8 text (byte 0xff at byte 11 of the line)"),
+    "surrogate bytes": (b'{"text": "a\xed\xa0\x80b"}\n', "not UTF-8 text (byte 0xed at byte 12"),
+    "lone surrogate": (b'{"text": "a\\ud800b"}\n', "'text' holds \\ud800 at character 2, half of a UTF-16"),
+    "too deep": (b"[" * 200_000 + b"]" * 200_000 + b"\n", "nested deeper than the JSON reader goes"),
+    "huge number": (b'{"text": "x", "n": ' + b"7" * 5000 + b"}\n", "not JSON that can be read (Exceeds the limit"),
+}
+
+
+@pytest.mark.parametrize("kind", ["lone surrogate", "too deep", "surrogate bytes", "huge number"])
+def test_a_hostile_line_is_one_paragraph_naming_it(tmp_path, tok, corpus, kind):
+    """A lone surrogate (escaped or as bytes), a line nested 200,000 deep, a number of 5,000 digits: each is a bad
+    line named by file and number (they gave tracebacks), and --skip-bad-lines skips it (the surrogate too)."""
+    line, reason = BAD_LINES[kind]
+    with corpus.open("ab") as f:
+        f.write(line)
+    fails(run(corpus, "--tokenizer", tok, "-o", tmp_path / "c"), 1, f"{corpus} line 31: {reason}", "nothing was")
+    assert written(tmp_path) == []
+    result = run(corpus, "--tokenizer", tok, "-o", tmp_path / "c", "--skip-bad-lines")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "30 documents" in result.stdout and f"skipped 1 bad lines (the first: {corpus} line 31: {reason}" in (
+        result.stdout
+    )
+
+
+def test_skip_bad_lines_counts_every_kind_of_bad_line(tmp_path, tok, corpus):
+    with corpus.open("ab") as f:
+        for line, _ in BAD_LINES.values():
+            f.write(line + b'{"text": "good"}\n')
+    result = run(corpus, "--tokenizer", tok, "-o", tmp_path / "c", "--skip-bad-lines")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert f"{30 + len(BAD_LINES)} documents" in result.stdout
+    assert f"skipped {len(BAD_LINES)} bad lines (the first: {corpus} line 31: not JSON" in result.stdout
+
+
 def test_an_empty_corpus_is_refused(tmp_path, tok):
     (tmp_path / "blank.jsonl").write_text("\n\n")
     (tmp_path / "empty.txt").write_text("")

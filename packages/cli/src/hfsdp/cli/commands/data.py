@@ -76,7 +76,11 @@ def prepare(
     ] = 0.0,
     skip_bad_lines: Annotated[
         bool,
-        typer.Option("--skip-bad-lines", help="Count and skip lines that are not JSON, lack the key or are not UTF-8."),
+        typer.Option(
+            "--skip-bad-lines",
+            help="Count and skip bad lines (not UTF-8, not JSON or nested too deep, no --json-key, not text, a lone "
+            "surrogate) instead of stopping at the first.",
+        ),
     ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a dataset that exists at --output.")] = False,
 ) -> None:

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,26 +174,54 @@ def _text(kind: str, item, json_key: str) -> str | None:
     if kind == "json":
         if not item.strip():
             return None
-        try:
-            value = json.loads(item)
+        try:  # decoded here, strictly: json.loads would let the bytes of a surrogate through, and guess UTF-16
+            line = item.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark opens some files
         except UnicodeDecodeError as err:
             raise ValueError(_not_utf8(err, "line")) from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
+        value = _json(line)
         if not isinstance(value, dict):
             raise ValueError("not a JSON object (JSON Lines: one object per line)")
         if json_key not in value:
-            keys = ", ".join(repr(k) for k in list(value)[:8]) or "none"
+            keys = ", ".join(repr(k)[:40] for k in list(value)[:8]) or "none"  # a hostile key can be megabytes
             raise ValueError(f"no key '{json_key}' (its keys: {keys}; choose the text's with --json-key)")
         text = value[json_key]
         if not isinstance(text, str):
             raise ValueError(f"'{json_key}' holds {type(text).__name__}, not text")
+        if "\\u" in line:  # an escape is the one way a lone surrogate gets into a string from strict UTF-8
+            _no_surrogate(text, json_key)
         return text
     try:
         text = item.decode("utf-8")
     except UnicodeDecodeError as err:
         raise _DecodeError(_not_utf8(err, "file" if kind == "file" else "line"), err.start) from None
     return text.removesuffix("\n").removesuffix("\r") if kind == "line" else text
+
+
+def _json(line: str):
+    """The value a JSON line holds; ValueError saying why there is none (each kind of bad line is one message)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise ValueError(
+            f"nested deeper than the JSON reader goes (about {sys.getrecursionlimit():,} arrays or objects within "
+            "each other)"
+        ) from None
+    except ValueError as err:  # what the parser itself refuses, e.g. an integer of more digits than Python converts
+        raise ValueError(f"not JSON that can be read ({' '.join(str(err).split())[:200]})") from None
+
+
+def _no_surrogate(text: str, json_key: str) -> None:
+    """ValueError if `text` holds half of a UTF-16 surrogate pair (an escape like \\ud800 without its other half):
+    not a character, so no UTF-8 text and nothing a tokenizer reads."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"'{json_key}' holds \\u{ord(text[err.start]):04x} at character {err.start + 1:,}, half of a UTF-16 "
+            "surrogate pair without its other half: not a character, so not text a tokenizer can read"
+        ) from None
 
 
 class _DecodeError(ValueError):
