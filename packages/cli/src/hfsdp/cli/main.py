@@ -4,14 +4,16 @@ Importing this module must stay cheap (no torch, no megatron): `hfsdp --help` an
 `hfsdp validate-config` on a bad file should answer at once. Commands import heavy
 modules inside their bodies.
 
-Every command is registered with one command class, `_PathsChecked`: the paths a user names on the command line go
+Every command is registered with one command class, `_Command`: the paths a user names on the command line go
 through `settings.user_paths` before the command runs, and an OSError about one of them that escapes the command is
-reported as that flag's one paragraph (exit 2). No command handles the operating system's refusals on its own.
+reported as that flag's one paragraph (exit 2); a signal while it runs is one line and exit 128 + signal (before
+it runs, `hfsdp/cli/__init__.py` sees to that).
 """
 
 from __future__ import annotations
 
 import inspect
+import signal
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import PurePath
 from typing import Annotated
@@ -25,6 +27,7 @@ from hfsdp.cli.commands.data import app as data_app
 from hfsdp.cli.commands.plan import plan
 from hfsdp.cli.commands.train import train
 from hfsdp.cli.commands.validate import validate_config
+from hfsdp.cli.rank import stopping
 from hfsdp.cli.settings import user_paths
 from hfsdp.cli.settings.report import say
 from hfsdp.cli.settings.setting import path
@@ -80,12 +83,31 @@ app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify, reshard, import (Hug
 app.add_typer(data_app, name="data", help="Prepare training data: text to a Megatron indexed dataset.")
 
 
-class _PathsChecked(TyperCommand):
-    """Every command: the paths its flags and arguments name go through `user_paths` before it runs, and an
-    `OSError` about one of them that escapes it is that path's one paragraph (exit 2), not a traceback. One class
-    for every command, so no command handles the operating system's refusals on its own."""
+class _Command(TyperCommand):
+    """Every command, so that none handles these on its own:
+
+    - signals: start-up's quiet exit (`hfsdp/cli/__init__.py`) gives way to `stopping.py`'s handlers, which unwind
+      the command; an `Interrupted` no command reports itself is one line and exit 128 + signal;
+    - paths: those its flags and arguments name go through `user_paths` before it runs, and an `OSError` about one
+      of them that escapes it is that path's one paragraph (exit 2), not a traceback.
+    """
 
     def invoke(self, ctx):
+        stopping.install()  # from here a signal unwinds the command (its cleanup runs), no longer start-up's exit
+        try:
+            return self._checked(ctx)
+        except stopping.Interrupted as stop:  # a command without a line of its own for it (train and data have)
+            stopping.ignore()
+            say(
+                f"interrupted ({signal.Signals(stop.signum).name}); hfsdp {ctx.command_path.partition(' ')[2]} "
+                "did not finish",
+                err=True,
+            )
+            raise typer.Exit(stop.exit_code) from None
+        finally:
+            stopping.ignore()  # the command is done: a signal now could only break Python's exit with a traceback
+
+    def _checked(self, ctx):
         given = []
         for param in self.params:
             values = ctx.params.get(param.name)
@@ -114,4 +136,4 @@ for _info in [
     *app.registered_commands,
     *(c for g in app.registered_groups for c in g.typer_instance.registered_commands),
 ]:
-    _info.cls = _PathsChecked
+    _info.cls = _Command
