@@ -156,7 +156,8 @@ def test_a_resume_on_another_world_keeps_the_global_batch_and_the_data_position(
     microbatches per rank instead of 2) and the data continues at sample 160, so steps 11-14 see the same samples and
     give the reference's losses (rtol 1e-5: another layout sums in another order); consumed samples only grow and
     the new checkpoint records 224 and batch 16. With --global-batch-size 8 the resume line says so and the run
-    consumes 8 samples a step from 160."""
+    consumes 8 samples a step from 160; its step-11 checkpoint (168 samples: not 11 x 8, nor 11 x 16) resumed on 4
+    ranks keeps batch 8 and continues at sample 168, giving that run's steps 12-13."""
     source = reference.directory / "ck" / "step-10"
     run = Run(base / "two", *tiny_llama(base), "--nproc", "2", "--load", str(source), "--steps", "14",
               "--save", str(base / "two" / "ck"))  # fmt: skip
@@ -170,9 +171,20 @@ def test_a_resume_on_another_world_keeps_the_global_batch_and_the_data_position(
     index = read_index(base / "two" / "ck" / "step-14")
     assert index.extra["consumed_samples"] == 224 and index.layout["global_batch_size"] == 16
 
-    told = Run(base / "told", *tiny_llama(base), "--nproc", "2", "--load", str(source), "--steps", "11",
-               "--global-batch-size", "8")  # fmt: skip
+    told = Run(base / "told", *tiny_llama(base), "--nproc", "2", "--load", str(source), "--steps", "13",
+               "--global-batch-size", "8", "--save", str(base / "told" / "ck"), "--save-every", "1")  # fmt: skip
     report = told.finish()
     assert told.proc.returncode == 0, report
     assert "--global-batch-size 8 instead of the checkpoint's global batch 16 (2 microbatches of 2 per rank" in told.out
-    assert [r["consumed_samples"] for r in records(told.metrics)] == [168]
+    assert [r["consumed_samples"] for r in records(told.metrics)] == [168, 176, 184]
+
+    # Step 11 of the batch-8 run: the data position (168) is no step x batch, so only consumed_samples gives it.
+    changed = base / "told" / "ck" / "step-11"
+    four = Run(base / "four", *tiny_llama(base), "--nproc", "4", "--load", str(changed), "--steps", "13")
+    report = four.finish()
+    assert four.proc.returncode == 0, report
+    assert f"resumed from {changed} (ZeRO-3 1x2 (optim_grads_params) -> ZeRO-3 1x4 (optim_grads_params)); " \
+           "global batch 8 (1 microbatch of 2 per rank), from sample 168" in four.out  # fmt: skip
+    got, expected = records(four.metrics), records(told.metrics)[1:]
+    assert [r["consumed_samples"] for r in got] == [176, 184]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
