@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hfsdp.cli.main import app
+
 from tests.support.runs import HFSDP
 
 #: Seconds after the start at which the signal is sent: inside hfsdp.cli's own import, main.py's (typer, rich, the
