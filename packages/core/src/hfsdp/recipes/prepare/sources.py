@@ -29,6 +29,10 @@ PARQUET_SUFFIX = ".parquet"
 #: bounded (a few batches per worker are in flight) and the progress bar moving.
 BATCH_BYTES = 1 << 20
 PARQUET_ROWS = 4096
+#: The most bytes one document may have (a text file without --split-lines, or a line): the parent reads a document
+#: whole and a worker holds it two or three times over (bytes, text, tokens), so this bounds their memory. A larger
+#: one is a bad line, never read.
+MAX_DOCUMENT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,13 @@ class Source:
     path: Path
     kind: str  # "json", "lines", "file" or "parquet"
     size: int
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """What a batch holds in place of a document over `MAX_DOCUMENT_BYTES`, which is not read."""
+
+    nbytes: int
 
 
 @dataclass
@@ -99,7 +110,8 @@ def batches(sources: list[Source], json_key: str) -> Iterator[Batch]:
     for index, source in enumerate(sources):
         try:
             if source.kind == "file":
-                yield Batch(index, 1, "file", [source.path.read_bytes()], source.size)
+                item = Oversized(source.size) if source.size > MAX_DOCUMENT_BYTES else source.path.read_bytes()
+                yield Batch(index, 1, "file", [item], source.size)
             elif source.kind == "parquet":
                 yield from _parquet(index, source, json_key)
             else:
@@ -113,14 +125,26 @@ def _lines(index: int, source: Source) -> Iterator[Batch]:
     items: list[bytes] = []
     first, size = 1, 0
     with open(source.path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(lambda: f.readline(MAX_DOCUMENT_BYTES + 1), b""), 1):
+            if len(line) > MAX_DOCUMENT_BYTES:  # not read further: the rest of the line is skipped in pieces
+                line = Oversized(len(line) + (0 if line.endswith(b"\n") else _skip_line(f)))
             items.append(line)
-            size += len(line)
+            size += line.nbytes if isinstance(line, Oversized) else len(line)
             if size >= BATCH_BYTES:
                 yield Batch(index, first, kind, items, size)
                 items, first, size = [], number + 1, 0
     if items:
         yield Batch(index, first, kind, items, size)
+
+
+def _skip_line(f) -> int:
+    """Read past the rest of the current line (up to and including its line break); its bytes."""
+    skipped = 0
+    while chunk := f.readline(BATCH_BYTES):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
 
 
 def _parquet(index: int, source: Source, column: str) -> Iterator[Batch]:
@@ -144,10 +168,10 @@ def _parquet(index: int, source: Source, column: str) -> Iterator[Batch]:
         first += len(values)
 
 
-def documents(batch: Batch, json_key: str) -> tuple[list[str], list[tuple[int, str]], int]:
-    """(texts, bad, empty) of a batch: its documents' texts, each bad item's (line or row number, what is wrong),
-    and how many items held no text (blank lines, empty strings): these are skipped, not documents."""
-    texts: list[str] = []
+def documents(batch: Batch, json_key: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]], int]:
+    """(texts, bad, empty) of a batch: each document's (line or row number, text), each bad item's (number, what is
+    wrong), and how many items held no text (blank lines, empty strings): these are skipped, not documents."""
+    texts: list[tuple[int, str]] = []
     bad: list[tuple[int, str]] = []
     empty = 0
     for number, item in enumerate(batch.items, batch.first):
@@ -156,15 +180,22 @@ def documents(batch: Batch, json_key: str) -> tuple[list[str], list[tuple[int, s
         except ValueError as err:
             bad.append((_line_of(batch.kind, item, err, number), str(err)))
             continue
-        if text is None or not text.strip():
+        if not text or text.isspace():  # (not strip(): no copy of a long text)
             empty += 1
         else:
-            texts.append(text)
+            texts.append((number, text))
     return texts, bad, empty
 
 
 def _text(kind: str, item, json_key: str) -> str | None:
     """The document an item holds (None for a blank JSON line); ValueError saying what is wrong with it."""
+    if isinstance(item, Oversized):
+        what = "text file" if kind == "file" else "line"
+        raise ValueError(
+            f"a {what} of {item.nbytes:,} bytes, more than the {MAX_DOCUMENT_BYTES >> 20} MiB one document may have "
+            "(prepare holds a document whole, so this bounds its memory); split it: --split-lines makes every line "
+            "of a text file a document, and a JSON or parquet text can be cut into several"
+        )
     if kind == "row":
         if item is None:
             raise ValueError("the value is null")

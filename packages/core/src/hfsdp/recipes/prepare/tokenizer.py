@@ -27,6 +27,13 @@ TOKENIZER_FILES = (
 )
 
 
+#: The largest tokenizer file read: the largest tokenizers in use are tens of MB (a tokenizer.json of 2 GB took
+#: 3.5 GB and 10 s to read, before any check), and every worker holds the tokenizer once more.
+MAX_TOKENIZER_BYTES = 256 << 20
+#: The files of a tokenizer directory transformers may read whole, besides TOKENIZER_FILES.
+READ_FILES = ("merges.txt", "added_tokens.json", "special_tokens_map.json", "config.json")
+
+
 @dataclass(frozen=True)
 class TokenizerInfo:
     name: str  # as the user gave it
@@ -67,6 +74,7 @@ def load(name: str) -> TokenizerInfo:
                 f"--tokenizer {name} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); give the directory "
                 "the tokenizer was saved to (tokenizer.save_pretrained(DIR)), often the model's own directory."
             )
+        _not_too_large(name, path)
         source = str(path.resolve())
     elif name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise PathError(f"--tokenizer {name} does not exist; give a tokenizer directory or a Hugging Face hub name.")
@@ -94,6 +102,21 @@ def load(name: str) -> TokenizerInfo:
         encode_special_tokens=bool(getattr(tokenizer, "split_special_tokens", False)),
         fingerprint=hashlib.sha256(backend.encode()).hexdigest(),
     )
+
+
+def _not_too_large(name: str, directory: Path) -> None:
+    """PrepareError naming the first file of a tokenizer directory over MAX_TOKENIZER_BYTES, before any is read."""
+    for file in (*TOKENIZER_FILES, *READ_FILES):
+        try:
+            size = (directory / file).stat().st_size
+        except OSError:  # absent (or unreadable: loading says so)
+            continue
+        if size > MAX_TOKENIZER_BYTES:
+            raise PrepareError(
+                f"--tokenizer {name}: {directory / file} is {size:,} bytes, more than the {MAX_TOKENIZER_BYTES >> 20} "
+                "MiB prepare reads as a tokenizer file (the largest tokenizers in use are tens of MB, and every "
+                "worker would hold it again); check that it is the tokenizer you mean, or save a smaller one."
+            )
 
 
 def _from_pretrained(name: str):
