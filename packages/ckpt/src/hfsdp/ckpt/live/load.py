@@ -55,7 +55,7 @@ from hfsdp.ckpt.format.store import resolve
 from hfsdp.ckpt.live import optim_state
 from hfsdp.ckpt.live import rng as rng_states
 from hfsdp.ckpt.live.agree import agree
-from hfsdp.ckpt.live.model_state import engine_of, local_groups, unsharded_state
+from hfsdp.ckpt.live.model_state import engine_of, local_groups, unsharded_state, write_frozen
 from hfsdp.ckpt.tensors.reader import CheckpointReader
 from hfsdp.ckpt.tensors.writer import torch_dtype
 
@@ -86,6 +86,7 @@ def load_checkpoint(
     # Two steps, each agreed: no rank touches its model until every rank's files and RNG state passed.
     plan, rng = agree(lambda: _prepare(ckpt_dir, index, model, optimizer, module_tensors, rng_meta, verify_checksums))
     states = agree(lambda: _fill(ckpt_dir, index, model, module_tensors, plan))
+    write_frozen(model, module_tensors)
 
     model.republish()  # collective: every rank, every group, model order
     if model.outer is not None:

@@ -17,6 +17,7 @@ from hfsdp.ckpt.format.index import MAIN, MODEL, OUTER_ANCHOR, OUTER_MAIN, OUTER
 from hfsdp.ckpt.tensors.writer import dtype_name
 from hfsdp.core.buffers.main_params import piece_of
 from hfsdp.core.engine.sharding import Sharding, sharding_of
+from hfsdp.core.engine.state_dict import gather_main
 
 
 def engine_of(model) -> Sharding:
@@ -53,14 +54,15 @@ def local_groups(model, rank: int) -> list[GroupSpec]:
             tuple((s.global_name, tuple(s.shape)) for s in g.slots),
         )
         for g in model.groups
+        if not g.frozen
     ]
 
 
 def local_order(model) -> list[str]:
     """Global names of this rank's parameters and unsharded tensors in the module's state-dict order."""
     model = engine_of(model)
-    names = {s.name: s.global_name for g in model.groups for s in g.slots}
-    unsharded = dict(_unsharded_items(model))
+    names = {s.name: s.global_name for g in model.groups if not g.frozen for s in g.slots}
+    unsharded = dict(_unsharded_items(model, whole_frozen=False))
     return [names.get(n) or unsharded[n][0] for n in module_state(model) if n in names or n in unsharded]
 
 
@@ -69,16 +71,19 @@ def unsharded_state(model) -> dict[str, torch.Tensor]:
 
     These are the entries of `state_dict()` that are not sharded parameters:
     persistent buffers (running statistics, counters) and frozen parameters.
-    The engine keeps them whole on every rank, so they are checkpointed whole;
-    dense ones are assumed equal on every rank (rank 0's are saved), expert ones
-    equal within an expert-parallel rank's replicas. Non-tensor extra state is
-    not saved.
+    Buffers are whole on every rank; frozen parameters are sharded by the engine
+    but checkpointed whole, as a checkpoint has always stored them (so a
+    checkpoint does not depend on whether the engine shards them): each is
+    gathered here, a copy in its own dtype (collective: every rank calls this;
+    `write_frozen` puts loaded values back into the pieces). Dense ones are
+    assumed equal on every rank (rank 0's are saved), expert ones equal within an
+    expert-parallel rank's replicas. Non-tensor extra state is not saved.
     """
     model = engine_of(model)
     return dict(_unsharded_items(model).values())
 
 
-def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
+def _unsharded_items(model, whole_frozen: bool = True) -> dict[str, tuple[str, torch.Tensor | None]]:
     """local state-dict name -> (global name, tensor) of every unsharded tensor.
 
     A tied parameter (a causal LM's `lm_head.weight` that is `embed_tokens.weight`)
@@ -87,12 +92,44 @@ def _unsharded_items(model) -> dict[str, tuple[str, torch.Tensor]]:
     """
     model = engine_of(model)
     naming = model.expert_naming
+    frozen = _frozen_whole(model, whole_frozen)
     out = {}
     for name, value in module_state(model).items():
+        if name in frozen:
+            out[name] = frozen[name]
+            continue
         if not isinstance(value, torch.Tensor) or piece_of(value) is not None:
             continue
         out[name] = (naming.to_global(name) if naming is not None else name, value)
     return out
+
+
+def _frozen_whole(model, gather: bool) -> dict[str, tuple[str, torch.Tensor | None]]:
+    """local name -> (global name, the whole value) of every frozen parameter: gathered (collective over each frozen
+    group's mesh, one group at a time, in model order), or None for the names alone."""
+    out = {}
+    for group in model.groups:
+        if not group.frozen:
+            continue
+        full = gather_main(group) if gather else None
+        for slot in group.slots:
+            whole = None if full is None else full[slot.offset : slot.stop].view(slot.shape)
+            out[slot.name] = (slot.global_name, None if whole is None else whole.to(slot.dtype, copy=True))
+        del full
+    return out
+
+
+def write_frozen(model, module_tensors: dict[str, torch.Tensor]) -> None:
+    """Put loaded whole frozen parameters (`unsharded_state`'s copies, by global name) back into this rank's pieces
+    of the frozen groups' main weights."""
+    model = engine_of(model)
+    for group in model.groups:
+        if not group.frozen:
+            continue
+        for piece in group.main_params:
+            if piece.holds:
+                whole = module_tensors[piece.name].reshape(-1)
+                piece.param.detach().view(-1).copy_(whole[piece.start : piece.stop])
 
 
 def outer_kinds(model) -> list[str]:
@@ -146,6 +183,8 @@ def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -
     model.wait_for_weights()
     out: dict[tuple[str, str], torch.Tensor] = {}
     for group in model.groups:
+        if group.frozen:  # checkpointed whole, with the buffers (`unsharded_state`)
+            continue
         shard = group.compute_shard()
         for piece in group.main_params:
             if not piece.holds:

@@ -48,9 +48,9 @@ def _json_value(value: Any) -> Any:
 
 
 def _members(optimizer, model):
-    """(group index, parameter, its MainParam) of every parameter the optimizer steps. A frozen tensor (a module
-    buffer-like parameter that needs no gradient, which `model.parameters()` also yields) is never stepped and is
-    passed over; any other tensor that is not one of the model's main params cannot be checkpointed by name, and is
+    """(group index, parameter, its MainParam) of every parameter the optimizer steps. A frozen parameter (one that
+    needs no gradient, which `model.parameters()` also yields: the engine shards it, but nothing steps it) is passed
+    over; any other tensor that is not one of the model's main params cannot be checkpointed by name, and is
     refused."""
     pieces = {id(p.param): p for p in model.main_params}
     for index, group in enumerate(optimizer.param_groups):

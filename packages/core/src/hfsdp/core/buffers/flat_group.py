@@ -18,6 +18,10 @@ A `FlatParamGroup` owns these buffers:
   replicated parameter that needs no gather and no cast);
 - `grads` (`GradBuffer`): the gradient piece and its reductions.
 
+A *frozen* group holds parameters that need no gradient (a LoRA base): sharded and
+cast like any other, so every rank holds only its piece, but never reduced, never
+stepped and never published after a step; its `grads` never allocates a buffer.
+
 The unsharded buffer moves through `ParamState`: SHARDED (no storage) -> GATHERING
 (a gather in flight on the gather stream) -> UNSHARDED (compute has waited for it).
 A group whose unsharded buffer is its persistent shard is always UNSHARDED.
@@ -83,7 +87,9 @@ class FlatParamGroup:
         owner: Callable[[], object] = lambda: None,
         streams=None,
         offload: bool = False,
+        frozen: bool = False,
     ):
+        self.frozen = frozen  # parameters that need no gradient: gathered and cast, never reduced or stepped
         self.is_expert, self.unit_index = is_expert, unit_index  # which mesh; the owning unit's position (root last)
         self.owner = owner  # () -> the engine state (`Sharding`) this group belongs to, held weakly
         self.mesh, self.layout, self.offload = mesh, layout, offload
@@ -127,7 +133,7 @@ class FlatParamGroup:
         self._free_grads_after_step = False  # release_grads came while the step was in flight
         self._compute_weights_written = False  # an optimizer wrote this step's weights in the compute dtype
         self._gather_input_ready = False  # `unsharded[param_range]` already holds the cast of `main`
-        self.main_params: list[MainParam] = build_main_params(self)
+        self.main_params: list[MainParam] = build_main_params(self, trainable=not frozen)
         self.grads = GradBuffer(self.flat, self.comms, self.streams, mp.reduce_dtype, self.device)
         self._host_grad: torch.Tensor | None = None  # offload: where the reduced gradient goes for the optimizer
         self._host_grad_event = None  # offload: the copy of this step's gradient into `_host_grad`, once issued
@@ -428,7 +434,7 @@ class FlatParamGroup:
         shard where one is kept, the gradient piece, and the fp32 main weights where they are neither that shard
         nor offloaded to host memory."""
         shard = 0 if self.param_shard is None else self.param_shard.numel() * self.param_shard.element_size()
-        grad = (self.grad_range[1] - self.grad_range[0]) * self.grads.reduce_dtype.itemsize
+        grad = 0 if self.frozen else (self.grad_range[1] - self.grad_range[0]) * self.grads.reduce_dtype.itemsize
         separate = self.compute_dtype != torch.float32 and not self.offload
         main = self.main.numel() * self.main.element_size() if separate else 0
         return shard + grad + main

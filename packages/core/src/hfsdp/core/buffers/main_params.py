@@ -118,8 +118,9 @@ def piece_shape(shape: torch.Size, numel: int) -> tuple[int, ...]:
     return (*([1] * (len(shape) - 1)), numel) if len(shape) else (numel,)
 
 
-def build_main_params(group: MainWeights) -> list[MainParam]:
-    """The main param of every slot of `group`, in slot order (an empty one where this rank holds no element)."""
+def build_main_params(group: MainWeights, trainable: bool = True) -> list[MainParam]:
+    """The main param of every slot of `group`, in slot order (an empty one where this rank holds no element);
+    frozen ones (`trainable=False`) need no gradient, as the parameters they stand for."""
     lo, hi = group.flat.optim_range
     out = []
     for slot in group.flat.slots:
@@ -127,7 +128,8 @@ def build_main_params(group: MainWeights) -> list[MainParam]:
         if start >= stop:  # no element here: an empty parameter on the main weights' device
             start = stop = lo if slot.offset < lo else hi
         view = group.main[start - lo : stop - lo].view(piece_shape(slot.shape, stop - start))
-        piece = MainParam(slot, group, start - slot.offset, stop - slot.offset, start - lo, nn.Parameter(view))
+        param = nn.Parameter(view, requires_grad=trainable)
+        piece = MainParam(slot, group, start - slot.offset, stop - slot.offset, start - lo, param)
         piece.param._hfsdp_piece = weakref.ref(piece)
         out.append(piece)
     return out

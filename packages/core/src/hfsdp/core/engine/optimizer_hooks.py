@@ -44,7 +44,7 @@ class OptimizerBinding:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 piece = piece_of(param)
-                if piece is not None:
+                if piece is not None and not piece.group.frozen:  # a frozen piece is never stepped
                     sharding = piece.group.owner()
                     by_model.setdefault(id(sharding), (sharding, []))[1].append(piece)
         self.models = list(by_model.values())

@@ -99,7 +99,10 @@ class Sharding:
         units = list(units)
         locations = _locations(module)
         # Each parameter goes to the innermost unit that holds it (`unit_tree.py`); the root takes the rest.
-        unit_params = claim_parameters(module, units, check_unit_modules(module, units))
+        unit_names = check_unit_modules(module, units)
+        unit_params = claim_parameters(module, units, unit_names)
+        frozen_params = claim_parameters(module, units, unit_names, trainable=False)
+        _check_frozen(frozen_params, diloco)
         unit_modules = [*units, module]
         # Which units keep their fp32 main weights and optimizer state in host memory (offload_plan.py).
         on_device = sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type == "cuda")
@@ -117,6 +120,7 @@ class Sharding:
         for index, (unit_module, params) in enumerate(zip(unit_modules, unit_params, strict=True)):
             is_root = unit_module is module
             groups = self._make_groups(params, locations, is_expert, index, self.offload_plan.units[index])
+            groups += self._make_groups(frozen_params[index], locations, is_expert, index, False, frozen=True)
             self.units.append(
                 ShardedUnit(
                     unit_module,
@@ -140,7 +144,9 @@ class Sharding:
         for earlier, later in itertools.pairwise([None, *order]):
             later.link(following.get(later), earlier if earlier is not root else None)
         self.groups: list[FlatParamGroup] = [g for unit in self.units for g in unit.groups]
-        self.main_params: list[MainParam] = [p for g in self.groups for p in g.main_params]
+        #: The main params, what an optimizer steps; frozen groups' pieces are module parameters too, never stepped.
+        self.main_params: list[MainParam] = [p for g in self.groups if not g.frozen for p in g.main_params]
+        self.frozen_params: list[MainParam] = [p for g in self.groups if g.frozen for p in g.main_params]
         self.outer: OuterSync | None = OuterSync(diloco, self.groups, len(self.units)) if diloco else None
         #: The ranks a step's scalars (the gradient norm) are reduced over: one instance with DiLoCo, else all.
         apart = meshes.dense_layout.independent_axes()
@@ -151,7 +157,9 @@ class Sharding:
         """Whether any group keeps its main weights and optimizer state in host memory."""
         return any(self.offload_plan.units)
 
-    def _make_groups(self, params, locations, is_expert, unit_index: int, offload: bool) -> list[FlatParamGroup]:
+    def _make_groups(
+        self, params, locations, is_expert, unit_index: int, offload: bool, frozen: bool = False
+    ) -> list[FlatParamGroup]:
         buckets: dict[tuple[bool, torch.dtype], list] = {}
         for name, param in params:
             buckets.setdefault((is_expert(name, param), param.dtype), []).append((name, param))
@@ -181,6 +189,7 @@ class Sharding:
                 owner=weakref.ref(self),
                 streams=self.streams,
                 offload=offload,
+                frozen=frozen,
             )
             groups.append(group)
         return groups
@@ -378,6 +387,17 @@ class Sharding:
 
     def state_bytes(self) -> int:
         return sum(g.state_bytes() for g in self.groups)
+
+
+def _check_frozen(frozen_params: list[list], diloco: DiLoCoConfig | None) -> None:
+    """Frozen parameters are sharded like the others, but DiLoCo's outer step does not know them yet."""
+    frozen = next((name for params in frozen_params for name, _ in params), None)
+    if frozen is not None and diloco is not None:
+        raise ValueError(
+            f"parameter '{frozen}' is frozen (requires_grad=False), and frozen parameters cannot be combined with a "
+            "'diloco' outer strategy yet: the outer step would exchange weights that never change. Train DiLoCo "
+            "with every parameter trainable, or use another outer strategy."
+        )
 
 
 def _check_diloco(meshes: HybridMeshes, diloco: DiLoCoConfig | None, offload: bool) -> None:

@@ -176,6 +176,8 @@ class ShardedUnit:
             return
         scale, last = self.step.grad_scale, self.step.is_last
         for group in self.groups:
+            if group.frozen:  # no gradient to reduce
+                continue
             group.grads.accumulate(scale, last)
             if last:
                 group.start_host_grad_copy()  # offloaded groups only: to the host while backward goes on

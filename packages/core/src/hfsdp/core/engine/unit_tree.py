@@ -64,16 +64,19 @@ def check_unit_modules(module: nn.Module, units: list[nn.Module]) -> dict[int, s
 Named = list[tuple[str, nn.Parameter]]
 
 
-def claim_parameters(module: nn.Module, units: list[nn.Module], names: dict[int, str]) -> list[Named]:
-    """The trainable parameters each of `units` owns, then the root's (`module`'s) last: each goes to the innermost
-    unit containing every module that holds it. A parameter tied across units is refused."""
+def claim_parameters(
+    module: nn.Module, units: list[nn.Module], names: dict[int, str], *, trainable: bool = True
+) -> list[Named]:
+    """The parameters each of `units` owns, then the root's (`module`'s) last: each goes to the innermost unit
+    containing every module that holds it. `trainable` picks those that require a gradient, or the frozen ones.
+    A parameter tied across units is refused."""
     unit_names = [names[id(u)] for u in units]
     owners: dict[int, int] = {}  # parameter id -> index into units (len(units): the root)
     holders: dict[int, tuple[str, list[str]]] = {}
     for module_name, sub in module.named_modules(remove_duplicate=False):
         owner = _innermost(module_name, unit_names)
         for attr, param in sub._parameters.items():
-            if param is None or not param.requires_grad:
+            if param is None or param.requires_grad != trainable:
                 continue
             name = f"{module_name}.{attr}" if module_name else attr
             claimed = owners.setdefault(id(param), owner)
@@ -88,7 +91,7 @@ def claim_parameters(module: nn.Module, units: list[nn.Module], names: dict[int,
                 )
     out: list[Named] = [[] for _ in range(len(units) + 1)]
     for name, param in module.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad == trainable:
             out[owners[id(param)]].append((name, param))
     return out
 
