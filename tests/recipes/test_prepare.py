@@ -156,6 +156,15 @@ def test_parquet_reads_the_key_column(tmp_path, tok, expected):
     assert _read(tmp_path / "c") == [expected(t) for t in TEXTS[:4]]
     with pytest.raises(PrepareError, match=r"has no column 'body' \(its columns: text, n\)"):
         prepare(Request([str(tmp_path / "c.parquet")], str(tok), str(tmp_path / "d"), json_key="body", workers=1))
+    not_utf8 = pa.array([b"ok", b"\xffbad", None, b"fine"], pa.binary()).cast(pa.string(), safe=False)
+    pq.write_table(pa.table({"text": not_utf8}), tmp_path / "bad.parquet")  # parquet holds it; pyarrow raised on it
+    with pytest.raises(PrepareError, match=r"bad.parquet row 2: not UTF-8 text \(byte 0xff at byte 1 of the value\)"):
+        prepare(Request([str(tmp_path / "bad.parquet")], str(tok), str(tmp_path / "e"), workers=1))
+    summary = prepare(Request([str(tmp_path / "bad.parquet")], str(tok), str(tmp_path / "e"), workers=1, **_SKIP))
+    assert summary.bad == 2 and _read(tmp_path / "e") == [expected("ok"), expected("fine")]  # the null too
+
+
+_SKIP = {"skip_bad_lines": True}
 
 
 def test_workers_return_tokens_in_the_datasets_dtype(tok, expected):

@@ -51,7 +51,8 @@ class Oversized:
 
 @dataclass
 class Batch:
-    """Documents to tokenize: raw lines (json, lines), one whole file (file) or a parquet column's values (rows)."""
+    """Documents to tokenize: raw lines (json, line), one whole file (file) or a parquet column's values (utf8: a text
+    column's, as bytes; row: any other's)."""
 
     source: int  # index of the Source
     first: int  # number (from 1) of items[0]'s line or row in its file; 1 for a whole file
@@ -162,10 +163,30 @@ def _parquet(index: int, source: Source, column: str) -> Iterator[Batch]:
         )
     rows = max(1, table.metadata.num_rows)
     first = 1
-    for part in table.iter_batches(batch_size=PARQUET_ROWS, columns=[column]):
-        values = part.column(0).to_pylist()
-        yield Batch(index, first, "row", values, source.size * len(values) // rows)
+    parts = table.iter_batches(batch_size=PARQUET_ROWS, columns=[column])
+    while True:
+        try:
+            part = next(parts, None)
+            if part is None:
+                return
+            kind, values = _values(part.column(0))
+        except Exception as err:  # pyarrow's errors: a damaged page, a value it cannot convert
+            detail = " ".join(str(err).split())[:300] or type(err).__name__
+            raise PrepareError(
+                f"{source.path} cannot be read as parquet after row {first - 1:,} ({detail}); check the file."
+            ) from None
+        yield Batch(index, first, kind, values, source.size * len(values) // rows)
         first += len(values)
+
+
+def _values(column) -> tuple[str, list]:
+    """A parquet column's values: a text column's as bytes ("utf8": a worker decodes them strictly, so text that is
+    not UTF-8 is a bad row, not pyarrow's error here), any other's as Python values ("row")."""
+    import pyarrow as pa
+
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return "utf8", column.cast(pa.large_binary()).to_pylist()
+    return "row", column.to_pylist()
 
 
 def documents(batch: Batch, json_key: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]], int]:
@@ -196,9 +217,14 @@ def _text(kind: str, item, json_key: str) -> str | None:
             "(prepare holds a document whole, so this bounds its memory); split it: --split-lines makes every line "
             "of a text file a document, and a JSON or parquet text can be cut into several"
         )
-    if kind == "row":
+    if kind in ("row", "utf8"):
         if item is None:
             raise ValueError("the value is null")
+        if kind == "utf8":
+            try:
+                return item.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(_not_utf8(err, "value")) from None
         if not isinstance(item, str):
             raise ValueError(f"the value is {type(item).__name__}, not text")
         return item
