@@ -357,3 +357,13 @@ def test_a_tokenizer_file_over_the_limit_is_refused_before_it_is_read(tmp_path, 
     ):
         prepare(Request([corpus], str(tok), str(tmp_path / "c"), workers=1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+def test_a_text_file_longer_than_a_piece_is_one_document_with_the_ids_of_the_whole(tmp_path, tok, expected):
+    """End to end, at the real piece length (1 Mi characters): a 1.3 MB text file is one document, ids as
+    transformers gives them for the whole text."""
+    text = "".join(stdlib_texts("json", "email"))
+    text = text * (1_300_000 // len(text) + 1)
+    (tmp_path / "big.txt").write_text(text)
+    summary = prepare(Request([str(tmp_path / "big.txt")], str(tok), str(tmp_path / "c"), workers=1))
+    assert summary.documents == 1 and _read(tmp_path / "c") == [expected(text)]
