@@ -33,6 +33,7 @@ from torch import nn
 from hfsdp.core.buffers.mixed_precision import MixedPrecision
 from hfsdp.core.engine import torch_clip
 from hfsdp.core.engine.clip import clip_grad_norm_ as _clip
+from hfsdp.core.engine.dcp_guard import refuse_if_dcp
 from hfsdp.core.engine.mesh import HybridMeshes
 from hfsdp.core.engine.optimizer_hooks import install as install_optimizer_hooks
 from hfsdp.core.engine.sharding import ATTRIBUTE, Sharding, is_expert_param_default, sharding_of
@@ -111,6 +112,7 @@ class HFSDPModule(UnitCall):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The full state dict: on rank 0 every parameter whole, on the CPU, in the dtype it had when sharded; an
         empty dict on the other ranks (collective: call it on every rank)."""
+        refuse_if_dcp()  # before any collective, on every rank alike (`dcp_guard.py`)
         if args:
             raise TypeError("state_dict() takes its arguments by keyword (destination=, prefix=, keep_vars=)")
         full = full_state_dict(sharding_of(self))
@@ -121,6 +123,7 @@ class HFSDPModule(UnitCall):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
         """Load a full state dict into the fp32 main weights (collective); every rank passes it, or rank 0 alone."""
+        refuse_if_dcp()
         if assign:
             raise ValueError(
                 "load_state_dict(assign=True) would replace the parameters of a sharded module, which live in "
