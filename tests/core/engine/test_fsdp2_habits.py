@@ -114,6 +114,27 @@ def _dcp(layout: str, habit: str, rank: int, world: int, tmp: str) -> str:
     return "accepted"
 
 
+def _meta_init(layout: str, rank: int, world: int) -> dict:
+    """torchtitan's flow: build on the meta device, shard, `to_empty`, load the eager-built model's initial weights,
+    train; and `to_empty` on a model sharded with real weights is refused."""
+    with torch.device("meta"):
+        model = make_toy()
+    model = _shard(model, layout)
+    model.to_empty(device="cpu")
+    model.load_state_dict(make_toy().state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        model(*microbatch(step, 0, 1, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    try:
+        model.to_empty(device="cpu")
+        again = "accepted"
+    except RuntimeError as err:
+        again = str(err)
+    return {"weights": _full_weights(model), "to_empty again": again}
+
+
 def _accumulate_fsdp2_style(layout: str, style: str, rank: int, world: int) -> dict[str, torch.Tensor]:
     """The FSDP2 user's accumulation loop: M microbatches, `(loss / M).backward()`, the sync declared their way."""
     model = _shard(make_toy(), layout)
@@ -172,9 +193,8 @@ def _refusal(layout: str, case: str) -> str:
     elif case == "FSDP2's per-layer calls":
         for layer in model.layers:
             _shard(layer, layout, units=[])
-    elif case == "meta device":
-        with torch.device("meta"):
-            model = make_toy()
+    elif case == "partly on the meta device":
+        model.head.to("meta")
     before = {n: p for n, p in model.named_parameters()}
     try:
         _shard(model, layout, units)
@@ -217,7 +237,7 @@ REFUSALS = {
     "the model in units": "root unit already",
     "a unit listed twice": "listed twice",
     "FSDP2's per-layer calls": "already sharded",
-    "meta device": "meta device",
+    "partly on the meta device": "meta device but others are not",
 }
 
 
@@ -234,6 +254,7 @@ def _all(rank: int, world: int, tmp: str) -> dict:
             "hidden grads": _hidden_grads_refused(layout, rank, world),
             "accumulate": {s: _accumulate_fsdp2_style(layout, s, rank, world) for s in ACCUMULATION_STYLES},
             "nested": {n: _nested(layout, n, rank, world) for n in NESTINGS},
+            "meta": _meta_init(layout, rank, world),
             "refused": {case: _refusal(layout, case) for case in REFUSALS},
             "mixed": {first: _mixed(layout, first) for first in ("set_microbatch", "set_requires_gradient_sync")},
             "step before sync": _step_before_sync(layout, rank, world),
@@ -331,10 +352,21 @@ def test_nested_units_train_like_the_unsharded_model_and_the_inner_unit_owns_its
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_model_built_on_the_meta_device_shards_materialises_and_trains_like_the_unsharded_model(
+    runs, reference, layout
+):
+    """Built on `torch.device("meta")`, sharded, `to_empty(device=...)`, given the eager model's initial weights by
+    `load_state_dict`: training equals the unsharded model's. `to_empty` on real weights is refused."""
+    case = runs[layout]["meta"]
+    _assert_weights(case["weights"], reference)
+    assert "would discard them" in case["to_empty again"], case["to_empty again"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", REFUSALS)
 def test_what_cannot_be_sharded_is_refused_at_fully_shard_naming_the_fix(runs, layout, case):
     """Ties across units, units outside the model, the model among its units, a unit twice, FSDP2's per-layer calls
-    and meta parameters: one sentence at the call, the model left as it was."""
+    and a model only partly on the meta device: one sentence at the call, the model left as it was."""
     message = runs[layout]["refused"][case]
     assert REFUSALS[case] in message, message
     assert "fully_shard" in message or "units=" in message, message

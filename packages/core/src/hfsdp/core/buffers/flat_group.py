@@ -105,26 +105,8 @@ class FlatParamGroup:
         with torch.no_grad():
             for slot in self.slots:
                 full[slot.offset : slot.stop].copy_(slot.param.detach().reshape(-1))
-        param_slice = slice(*self.param_range)
-        self.param_shard: torch.Tensor | None = None
-        if self.compute_dtype == torch.float32 and not offload:
-            # fp32 compute: the optimizer steps the parameter shard itself (its piece is a sub-range).
-            self.param_shard = full[param_slice].clone()
-            self.main = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
-        else:
-            main = full[slice(*self.optim_range)]
-            self.main = _to_host(main) if offload else main.clone()
-            if offload or self.param_range != self.optim_range:  # offloaded: gathers must not read host memory
-                self.param_shard = full[param_slice].to(self.compute_dtype, copy=True)
+        self._place(full)
         del full
-        # Whether `unsharded` is built (gathered, or cast from `main`) each time the unit runs.
-        self.transient_unsharded = bool(self.flat.plan.param_gather) or self.param_shard is None
-        if self.transient_unsharded:
-            self.unsharded = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
-        else:
-            self.unsharded = self.param_shard
-        for slot in self.slots:
-            slot.param.data = self.unsharded[slot.offset : slot.stop].view(slot.shape)
         self.state = ParamState.UNSHARDED
         self._gather_event = None  # GATHERING: the event of the gather in flight
         self._new_weights = None  # the post-step gather of new weights, until compute has waited on it
@@ -142,6 +124,41 @@ class FlatParamGroup:
         self._computing = True  # whether the modules hold the compute parameters (not the main params)
         self.reshard()
         self.hold_main_params()
+
+    def _place(self, full: torch.Tensor) -> None:
+        """Make this rank's buffers from `full`, the whole padded group in fp32 (on the group's device), and point
+        every module parameter at its slot of `unsharded`."""
+        param_slice = slice(*self.param_range)
+        self.param_shard: torch.Tensor | None = None
+        if self.compute_dtype == torch.float32 and not self.offload:
+            # fp32 compute: the optimizer steps the parameter shard itself (its piece is a sub-range).
+            self.param_shard = full[param_slice].clone()
+            self.main = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
+        else:
+            main = full[slice(*self.optim_range)]
+            self.main = _to_host(main) if self.offload else main.clone()
+            if self.offload or self.param_range != self.optim_range:  # offloaded: gathers must not read host memory
+                self.param_shard = full[param_slice].to(self.compute_dtype, copy=True)
+        # Whether `unsharded` is built (gathered, or cast from `main`) each time the unit runs.
+        self.transient_unsharded = bool(self.flat.plan.param_gather) or self.param_shard is None
+        if self.transient_unsharded:
+            self.unsharded = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
+        else:
+            self.unsharded = self.param_shard
+        for slot in self.slots:
+            _point(slot.param, self.unsharded[slot.offset : slot.stop].view(slot.shape))
+
+    def materialize(self, device: torch.device, streams) -> None:
+        """Give a group built on the meta device real buffers on `device`, zero-filled (`HFSDPModule.to_empty`):
+        the same parameter objects, module and main params alike, now views into them."""
+        self.device, self.streams = device, streams
+        self.grads.device, self.grads.streams = device, streams
+        self._place(torch.zeros(self.padded, dtype=torch.float32, device=device))
+        for piece in self.main_params:
+            held = self.main[piece.offset : piece.offset + piece.stop - piece.start]
+            _point(piece.param, held.view(piece.param.shape))
+        self.state = ParamState.UNSHARDED
+        self.reshard()
 
     # -- the flat layout, for readers --------------------------------------------------
 
@@ -438,6 +455,16 @@ class FlatParamGroup:
         separate = self.compute_dtype != torch.float32 and not self.offload
         main = self.main.numel() * self.main.element_size() if separate else 0
         return shard + grad + main
+
+
+def _point(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make `param` (the same Python object) a view of `view`. `.data =` cannot move a tensor off the meta device,
+    so there the parameter's contents are swapped with a new one's (`torch.utils.swap_tensors`), attributes kept."""
+    if param.device.type != view.device.type:  # an empty stand-in of its own: `.data =` then keeps its version counter
+        fresh = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=param.requires_grad)
+        fresh.__dict__.update(param.__dict__)
+        torch.utils.swap_tensors(param, fresh)
+    param.data = view
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

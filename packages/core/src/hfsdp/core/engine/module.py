@@ -131,6 +131,27 @@ class HFSDPModule(UnitCall):
             )
         return load_full_state_dict(sharding_of(self), dict(state_dict), strict)
 
+    def to_empty(self, *, device, recurse: bool = True):
+        """torchtitan's meta-device flow: a model built on the meta device and sharded there gets real buffers on
+        `device` (each rank only its pieces, zero-filled; buffers uninitialised, as torch's `to_empty` leaves them).
+        Load its weights next (`load_state_dict`, or `hfsdp.ckpt.load_checkpoint`): an initialiser run on the
+        modules now would see this rank's pieces, not whole parameters."""
+        sharding = sharding_of(self)
+        if not sharding.on_meta:
+            raise RuntimeError(
+                f"to_empty() on {type(self).__name__}, which is sharded with real weights on {sharding.device}: it "
+                "would discard them. to_empty() is for a model built and sharded on the meta device."
+            )
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        sharding.materialize(target)
+        for sub in self.modules() if recurse else [self]:
+            for key, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[key] = torch.empty_like(buffer, device=target)
+        return self
+
     def _apply(self, fn, recurse: bool = True):
         """Dtype and device moves would take the parameters (the main params, outside forward) off the flat
         buffers: refuse any that changes one; one that changes nothing (`.float()`, `.to(device)` where they are)

@@ -91,8 +91,10 @@ class Sharding:
         self.module, self.config, self.meshes, self.mp = module, config, meshes, mp
         self.expert_naming = expert_naming
         self.device = next(module.parameters()).device
+        self._own_streams = streams is None
         self.streams = streams if streams is not None else streams_for(self.device)
         _check_diloco(meshes, diloco, offload)
+        _check_meta(self.device, offload, diloco)
         self.step = StepContext(meshes.dense_layout.reduced_size, self._begin_backward, self._end_backward)
         self.pending: set[str] = set()  # names of ready gradients no optimizer step has consumed yet
         self.consumed = False  # some optimizer stepped since the gradients became ready
@@ -151,6 +153,20 @@ class Sharding:
         #: The ranks a step's scalars (the gradient norm) are reduced over: one instance with DiLoCo, else all.
         apart = meshes.dense_layout.independent_axes()
         self.norm_group = meshes.dense.get_group(meshes.dense_layout.names[-1]) if apart else None
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether the model was sharded on the meta device and has no real buffers yet (`materialize`)."""
+        return self.device.type == "meta"
+
+    def materialize(self, device: torch.device) -> None:
+        """Give every group of a model sharded on the meta device real, zero-filled buffers on `device` (and the
+        streams of that device); the parameter objects stay the same."""
+        self.device = device
+        if self._own_streams:
+            self.streams = streams_for(device)
+        for group in self.groups:
+            group.materialize(device, self.streams)
 
     @property
     def offload(self) -> bool:
@@ -387,6 +403,18 @@ class Sharding:
 
     def state_bytes(self) -> int:
         return sum(g.state_bytes() for g in self.groups)
+
+
+def _check_meta(device: torch.device, offload, diloco: DiLoCoConfig | None) -> None:
+    """A model sharded on the meta device gets its buffers at `to_empty`; offload and DiLoCo plan theirs at once."""
+    if device.type != "meta":
+        return
+    if offload or diloco is not None:
+        what = "offload" if offload else "DiLoCo"
+        raise ValueError(
+            f"the model is on the meta device, and {what} cannot be planned before its buffers exist. Shard it "
+            f"without {what}, or materialise it first (model.to_empty(device=...) and load its weights)."
+        )
 
 
 def _check_frozen(frozen_params: list[list], diloco: DiLoCoConfig | None) -> None:

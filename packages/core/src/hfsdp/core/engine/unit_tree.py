@@ -13,8 +13,8 @@ What cannot work is refused here, before any parameter moves, in one sentence th
   a model already sharded: hfsdp shards a whole model in one call, its layers named in `units=`;
 - a parameter tied across units (an embedding in one unit, the output layer that shares its weight
   in another): whichever unit owned it, the other would compute with this rank's piece of it;
-- parameters on the meta device: hfsdp copies each parameter's values into its flat buffers when it
-  shards, so they must exist by then.
+- a model only partly on the meta device (one wholly on it is sharded into meta buffers, which
+  `to_empty` makes real).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ def check_unit_modules(module: nn.Module, units: list[nn.Module]) -> dict[int, s
         if id(unit) in seen:
             raise ValueError(f"unit '{where[id(unit)]}' is listed twice in units=; list each module once.")
         seen.add(id(unit))
-    meta = next((name for name, p in module.named_parameters() if p.is_meta), None)
-    if meta is not None:
+    kinds = {p.is_meta for p in module.parameters()}
+    if len(kinds) > 1:
+        meta = next(name for name, p in module.named_parameters() if p.is_meta)
         raise ValueError(
-            f"parameter '{meta}' is on the meta device: hfsdp copies every parameter's values into its flat buffers "
-            "when it shards, so they must exist first. Materialise the model before fully_shard "
-            "(model.to_empty(device=...) then initialise it, or load its weights), then shard it."
+            f"parameter '{meta}' is on the meta device but others are not: fully_shard takes a model built wholly on "
+            "the meta device (then model.to_empty(device=...) and load its weights) or wholly materialised, not a mix."
         )
     return {id(u): where[id(u)] for u in units}
 
