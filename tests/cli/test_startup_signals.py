@@ -25,6 +25,11 @@ DELAYS = (0.02, 0.05, 0.1, 0.2, 0.4)
 HANDLER_WITHIN_S = 0.15
 
 
+def _default_dispositions() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process `pid` has a handler for `sig` (SigCgt in /proc; SIGTERM has none until hfsdp installs one)."""
     try:
@@ -45,6 +50,7 @@ def test_a_signal_while_hfsdp_starts_is_one_line_and_128_plus_signal(tmp_path, s
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,  # a group of its own, as a terminal's Ctrl-C signals the whole foreground group
+            preexec_fn=_default_dispositions,  # as a shell starts a foreground command, whatever this process ignores
         )
         while not _catches(proc.pid, signal.SIGTERM) and time.monotonic() - start < HANDLER_WITHIN_S:
             time.sleep(0.001)
@@ -72,3 +78,13 @@ def test_a_signal_inside_a_command_without_its_own_line_is_one_line(monkeypatch)
     result = CliRunner().invoke(app, ["plan"])
     assert result.exit_code == 130, (result.output, result.exception)
     assert result.output.strip().splitlines() == ["interrupted (SIGINT); hfsdp plan did not finish"]
+
+
+def test_a_command_run_in_process_leaves_the_callers_handlers_as_they_were():
+    """Called from Python (a test's CliRunner, a notebook), a command restores the SIGINT/SIGTERM handlers it found:
+    ignoring them after the command is for the `hfsdp` program's own exit, and left in a caller it made every process
+    the caller started later ignore Ctrl-C and SIGTERM."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    result = CliRunner().invoke(app, ["validate-config", "examples/hfsdp_2x4.yaml"])
+    assert result.exit_code == 0, result.output
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -44,7 +44,10 @@ def _is_the_program() -> bool:
     return _os.path.basename(_sys.argv[0]) in ("hfsdp", "hfsdp.exe") or _sys.argv[0] == "-m"
 
 
-if _is_the_program():
+#: Whether this process is the `hfsdp` program (decided at its start: `-m` later becomes `__main__.py`'s path).
+IS_THE_PROGRAM = _is_the_program()
+
+if IS_THE_PROGRAM:
     for _sig in _NAMES:
         if _signal.getsignal(_sig) is not _signal.SIG_IGN:  # ignored by whoever started us (nohup, a script's &)
             _signal.signal(_sig, _leave_with_a_line)

@@ -21,7 +21,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from hfsdp.cli import help_format
+from hfsdp.cli import IS_THE_PROGRAM, help_format
 from hfsdp.cli.commands.ckpt import app as ckpt_app
 from hfsdp.cli.commands.data import app as data_app
 from hfsdp.cli.commands.plan import plan
@@ -93,6 +93,7 @@ class _Command(TyperCommand):
     """
 
     def invoke(self, ctx):
+        before = {sig: signal.getsignal(sig) for sig in stopping.SIGNALS}
         stopping.install()  # from here a signal unwinds the command (its cleanup runs), no longer start-up's exit
         try:
             return self._checked(ctx)
@@ -105,7 +106,11 @@ class _Command(TyperCommand):
             )
             raise typer.Exit(stop.exit_code) from None
         finally:
-            stopping.ignore()  # the command is done: a signal now could only break Python's exit with a traceback
+            if IS_THE_PROGRAM:
+                stopping.ignore()  # the command is done: a signal now could only break Python's exit with a traceback
+            else:  # called in-process (a test's CliRunner, a notebook): leave the caller's handlers as they were
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
 
     def _checked(self, ctx):
         given = []
