@@ -101,3 +101,16 @@ def accumulated_loss(sharded, step: int, microbatches: int, rank: int, world: in
         total += loss.detach().float()
     dist.all_reduce(total)
     return total.item() / (microbatches * world)
+
+
+#: A transformers Llama small enough for many spawned ranks: 2 layers of width 32, GQA 4/2 heads, vocabulary 64.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 32,
+}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.toy_models import make_toy, microbatch, plain_steps
+from tests.support.toy_models import TINY_LLAMA, make_toy, microbatch, plain_steps
 
 STEPS = 2
 #: name -> (world, outer, inner, instances)
@@ -22,16 +22,6 @@ LAYOUTS = {
     "ZeRO-3 1x6": (6, "no_shard", "optim_grads_params", 1),
 }
 FROZEN = ("inp.weight", "layers.0.up.weight", "layers.1.up.weight", "layers.2.up.weight")
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 32,
-}
 
 
 def _frozen_toy():

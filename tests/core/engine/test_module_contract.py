@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.toy_models import GLOBAL_BATCH, OPTIMIZERS, global_batch, make_toy
+from tests.support.toy_models import GLOBAL_BATCH, OPTIMIZERS, TINY_LLAMA, global_batch, make_toy
 
 STEPS, CLIP = 3, 0.05
 MODES = ("fp32", "bf16", "offload", "bf16+offload")
@@ -31,16 +31,6 @@ LAYOUTS = {
 }
 #: the modes run on each layout (ZeRO-1 in fp32 is covered by tests/core/engine/test_engine.py)
 LAYOUT_MODES = {"ZeRO-1 1x4": ("bf16", "bf16+offload")}
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 32,
-}
 
 
 # -- what every rank runs ----------------------------------------------------------------------------

@@ -303,17 +303,23 @@ def _torch_reference(steps=STEPS, clip=CLIP, groups=False):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _assert_as_torch(world2, key, ref_losses, ref_norms, ref_params) -> None:
+    """Case `key`'s losses and norms (rank 0's; None: not clipped) and its parameters assembled from every rank's
+    pieces equal torch's AdamW on the one-process model (rtol 1e-5)."""
+    case = world2[0][key]
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    if ref_norms is not None:
+        torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    params = _assemble([r[key]["pieces"] for r in world2], {n: p.shape for n, p in ref_params.items()})
+    for n, value in ref_params.items():
+        torch.testing.assert_close(params[n], value, rtol=1e-5, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_clipped_fused_steps_match_torch_adamw_on_the_unsharded_model(world2, name):
     """fp32, 3 steps x 2 microbatches, clipping at 0.05 inside the step: losses, global norms and parameters are
     those of torch's AdamW after clip_grad_norm_ on the one-process model (rtol 1e-5)."""
-    ref_losses, ref_norms, ref_params = _torch_reference()
-    case = world2[0][name, "fp32"]
-    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-    params = _assemble([r[name, "fp32"]["pieces"] for r in world2], {n: p.shape for n, p in ref_params.items()})
-    for n, value in ref_params.items():
-        torch.testing.assert_close(params[n], value, rtol=1e-5, atol=1e-6, msg=n)
+    _assert_as_torch(world2, (name, "fp32"), *_torch_reference())
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -324,12 +330,7 @@ def test_a_norm_crossing_the_limit_both_ways_is_clipped_only_above_it(world2, na
     ref_losses, ref_norms, ref_params = _torch_reference(steps=CROSS_STEPS, clip=CROSS)
     pairs = list(itertools.pairwise(ref_norms))
     assert any(a > CROSS > b for a, b in pairs) and any(a < CROSS < b for a, b in pairs), ref_norms
-    case = world2[0][name, "crossing"]
-    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-    params = _assemble([r[name, "crossing"]["pieces"] for r in world2], {n: p.shape for n, p in ref_params.items()})
-    for n, value in ref_params.items():
-        torch.testing.assert_close(params[n], value, rtol=1e-5, atol=1e-6, msg=n)
+    _assert_as_torch(world2, (name, "crossing"), ref_losses, ref_norms, ref_params)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -337,11 +338,7 @@ def test_two_parameter_groups_match_torch_adamw_on_the_unsharded_model(world2, n
     """fp32, 3 steps, weights decayed at lr 1e-2 and biases undecayed at 3e-2 (runs cut where the options change):
     losses and parameters are those of torch's AdamW with the same two groups on the one-process model (rtol 1e-5)."""
     ref_losses, _, ref_params = _torch_reference(clip=None, groups=True)
-    case = world2[0][name, "two groups"]
-    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    params = _assemble([r[name, "two groups"]["pieces"] for r in world2], {n: p.shape for n, p in ref_params.items()})
-    for n, value in ref_params.items():
-        torch.testing.assert_close(params[n], value, rtol=1e-5, atol=1e-6, msg=n)
+    _assert_as_torch(world2, (name, "two groups"), ref_losses, None, ref_params)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
