@@ -42,9 +42,12 @@ def _frozen_bytes(model) -> int:
     """The bytes this rank holds for the frozen parameters (their main weights and any compute-dtype shard)."""
     from hfsdp.core import sharding_of
 
-    groups = [g for g in sharding_of(model).groups if g.frozen]
-    shards = sum(g.param_shard.numel() * g.param_shard.element_size() for g in groups if g.param_shard is not None)
-    return sum(g.main.numel() * g.main.element_size() for g in groups) + shards
+    storages = {}  # the main weights may be a view of the kept shard: each storage once
+    for group in (g for g in sharding_of(model).groups if g.frozen):
+        for tensor in (group.main, group.param_shard):
+            if tensor is not None:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _toy(layout: str, bf16: bool, rank: int, world: int) -> dict:
@@ -99,7 +102,9 @@ def _lora(layout: str, rank: int, world: int) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
-    return {"losses": losses, "dtype": seen["dtype"], "bytes": _frozen_bytes(model), "trainable": trainable}
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    held = {"elements": sum(p.numel() for p in frozen), "dtypes": {p.dtype for p in frozen}}
+    return {"losses": losses, "dtype": seen["dtype"], "bytes": _frozen_bytes(model), "trainable": trainable, **held}
 
 
 def _all(rank: int, world: int) -> dict:
@@ -166,7 +171,8 @@ def test_frozen_weights_compute_in_the_compute_dtype(runs, reference, layout):
 
 def test_peft_lora_trains_in_bf16_on_a_frozen_base_whose_share_falls_with_the_ranks(runs):
     """peft's LoRA on a frozen bf16 Llama with bf16 compute: the base computes in bf16, the adapters learn (the loss
-    falls), and the frozen bytes per rank fall with the ranks that shard them (3 for HSDP 2x3, 6 for ZeRO-3)."""
+    falls), the frozen bytes per rank fall with the ranks that shard them (3 for HSDP 2x3, 6 for ZeRO-3), and the
+    base is held in its own bf16, 2 bytes per element held."""
     for layout in LAYOUTS:
         case = runs[0][layout]["lora"]
         assert case["dtype"] == torch.bfloat16, layout
@@ -175,3 +181,8 @@ def test_peft_lora_trains_in_bf16_on_a_frozen_base_whose_share_falls_with_the_ra
     hsdp = max(rank["HSDP 2x3"]["lora"]["bytes"] for rank in runs)
     zero3 = max(rank["ZeRO-3 1x6"]["lora"]["bytes"] for rank in runs)
     assert zero3 < 0.6 * hsdp, (zero3, hsdp)
+    # A bf16 base is held in bf16, 2 bytes per element of this rank's piece (no fp32 master: nothing updates it).
+    for rank in runs:
+        case = rank["ZeRO-3 1x6"]["lora"]
+        assert case["dtypes"] == {torch.bfloat16}
+        assert 2 * case["elements"] <= case["bytes"] < 2.05 * case["elements"], case  # padding: a few elements

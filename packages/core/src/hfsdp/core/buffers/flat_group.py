@@ -20,7 +20,8 @@ A `FlatParamGroup` owns these buffers:
 
 A *frozen* group holds parameters that need no gradient (a LoRA base): sharded and
 cast like any other, so every rank holds only its piece, but never reduced, never
-stepped and never published after a step; its `grads` never allocates a buffer.
+stepped and never published after a step; its `grads` never allocates a buffer, and
+its `main` keeps the parameters' own dtype (nothing updates it, so no fp32 master).
 
 The unsharded buffer moves through `ParamState`: SHARDED (no storage) -> GATHERING
 (a gather in flight on the gather stream) -> UNSHARDED (compute has waited for it).
@@ -99,6 +100,9 @@ class FlatParamGroup:
         self.locations = locations
         source = named_params[0][1]
         self.compute_dtype = mp.param_dtype or source.dtype
+        # fp32 masters for what an optimizer steps; a frozen group's never change, so it keeps its own dtype
+        # (a bf16 LoRA base: 2 bytes per element, as FSDP2 keeps it).
+        self.main_dtype = source.dtype if frozen else torch.float32
         self.device = source.device
 
         full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
@@ -130,12 +134,12 @@ class FlatParamGroup:
         every module parameter at its slot of `unsharded`."""
         param_slice = slice(*self.param_range)
         self.param_shard: torch.Tensor | None = None
-        if self.compute_dtype == torch.float32 and not self.offload:
-            # fp32 compute: the optimizer steps the parameter shard itself (its piece is a sub-range).
-            self.param_shard = full[param_slice].clone()
+        if self.compute_dtype == self.main_dtype and not self.offload:
+            # Compute in the main weights' dtype: the optimizer steps the parameter shard itself (a sub-range).
+            self.param_shard = full[param_slice].to(self.main_dtype, copy=True)
             self.main = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
         else:
-            main = full[slice(*self.optim_range)]
+            main = full[slice(*self.optim_range)].to(self.main_dtype)
             self.main = _to_host(main) if self.offload else main.clone()
             if self.offload or self.param_range != self.optim_range:  # offloaded: gathers must not read host memory
                 self.param_shard = full[param_slice].to(self.compute_dtype, copy=True)
@@ -452,7 +456,7 @@ class FlatParamGroup:
         nor offloaded to host memory."""
         shard = 0 if self.param_shard is None else self.param_shard.numel() * self.param_shard.element_size()
         grad = 0 if self.frozen else (self.grad_range[1] - self.grad_range[0]) * self.grads.reduce_dtype.itemsize
-        separate = self.compute_dtype != torch.float32 and not self.offload
+        separate = self.compute_dtype != self.main_dtype and not self.offload
         main = self.main.numel() * self.main.element_size() if separate else 0
         return shard + grad + main
 
