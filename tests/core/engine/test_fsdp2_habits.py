@@ -384,3 +384,17 @@ def test_the_two_accumulation_apis_cannot_be_mixed(runs, layout):
 def test_a_step_before_the_synced_backward_is_refused(runs, layout):
     """`optimizer.step()` after a backward with gradient sync off would step unreduced gradients: refused."""
     assert "set_requires_gradient_sync(False)" in runs[layout]["step before sync"]
+
+
+@pytest.mark.parametrize(("outer_axis", "ready"), [(True, False), (False, True)], ids=["HSDP/HFSDP", "one axis"])
+def test_requires_all_reduce_holds_back_only_a_layout_with_an_outer_axis(outer_axis, ready):
+    """FSDP2's `set_requires_all_reduce(False)` skips HSDP's replica all-reduce; on one axis there is none to skip,
+    so a backward with gradient sync on still finishes the step's gradients, as FSDP2's does. Either way the engine
+    divides by the data-parallel size alone (the user scaled the loss)."""
+    from hfsdp.core.engine.step import StepContext
+
+    step = StepContext(4, lambda: None, lambda: None, outer_axis)
+    step.set_sync_flag("set_requires_all_reduce", False)
+    assert step.is_last is ready and step.grad_scale == 1 / 4
+    step.set_sync_flag("set_requires_all_reduce", True)
+    assert step.is_last

@@ -95,7 +95,9 @@ class Sharding:
         self.streams = streams if streams is not None else streams_for(self.device)
         _check_diloco(meshes, diloco, offload)
         _check_meta(self.device, offload, diloco)
-        self.step = StepContext(meshes.dense_layout.reduced_size, self._begin_backward, self._end_backward)
+        layout = meshes.dense_layout
+        outer_axis = len(layout.names) > 1 and not layout.independent_axes()  # DiLoCo's instances never reduce
+        self.step = StepContext(layout.reduced_size, self._begin_backward, self._end_backward, outer_axis)
         self.pending: set[str] = set()  # names of ready gradients no optimizer step has consumed yet
         self.consumed = False  # some optimizer stepped since the gradients became ready
         units = list(units)

@@ -46,8 +46,11 @@ class Accumulation(Enum):
 
 
 class StepContext:
-    def __init__(self, dp: int, begin_backward: Callable[[], None], end_backward: Callable[[], None]):
+    def __init__(
+        self, dp: int, begin_backward: Callable[[], None], end_backward: Callable[[], None], outer_axis: bool = False
+    ):
         self.dp = dp
+        self.outer_axis = outer_axis  # an outer axis reduces every step (HSDP/HFSDP): what requires_all_reduce skips
         self.index, self.count = 0, 1
         self.accumulation = Accumulation.UNDECLARED
         self.gradient_sync = True  # FSDP2's requires_gradient_sync
@@ -60,8 +63,8 @@ class StepContext:
     @property
     def is_last(self) -> bool:
         """Whether the next backward reduces over every axis (the step's gradients are then ready)."""
-        if self.accumulation is Accumulation.SYNC_FLAGS:
-            return self.gradient_sync and self.all_reduce
+        if self.accumulation is Accumulation.SYNC_FLAGS:  # FSDP2: without an outer axis there is no all-reduce to skip
+            return self.gradient_sync and (self.all_reduce or not self.outer_axis)
         return self.index == self.count - 1
 
     @property
