@@ -242,14 +242,18 @@ def test_a_layout_without_diloco_is_instance_0_and_a_plain_checkpoint_starts_the
 
 
 def test_format_4_holds_every_instance_and_the_outer_record(runs):
-    """A DiLoCo save is format 4 with the outer record (settings, steps done); per-instance kinds have the instance
-    count in front, the outer kinds the parameter's shape; an HSDP save stays format 3."""
+    """A DiLoCo save is format 4 with the outer record (settings, steps done, each fragment's last outer step);
+    per-instance kinds have the instance count in front, the outer kinds the parameter's shape; an HSDP save stays
+    format 3."""
     index = read_index(resolve(runs["root"] / "int8 H=4 F=2"))
     assert index.version == 4 and index.outer == {
         "strategy": "diloco",
         **CASES["int8 H=4 F=2"].to_dict(),
         "inner_steps": SAVE_AT,
+        "synced_at": index.outer["synced_at"],
     }
+    diloco = CASES["int8 H=4 F=2"]
+    assert index.outer["synced_at"] == [SAVE_AT - (SAVE_AT - diloco.offset(f)) % 4 for f in range(2)]
     assert set(index.kinds) == {
         "model",
         "main",
@@ -303,6 +307,9 @@ def test_export_writes_the_global_weights(runs, tmp_path):
         (lambda d: d.update(version=3), "format version 3 does not define"),
         (lambda d: d["outer"].update(fragments=9), "not a valid DiLoCo record"),
         (lambda d: d["outer"].update(inner_steps=-1), "outer.inner_steps"),
+        (lambda d: d["outer"].update(synced_at=[0, 0]), "where the format has a list of 1 steps"),
+        (lambda d: d["outer"].update(synced_at=[99]), r"outer.synced_at\[0\] is 99, after the 3 optimizer steps"),
+        (lambda d: d["outer"].update(synced_at=["1"]), r"outer.synced_at\[0\]"),
         (lambda d: d["layout"].update(outer="no_shard"), "outer strategy is 'no_shard'"),
         (lambda d: d["tensors"]["main"]["layers.0.up.weight"].update(shape=[13, 16]), "for each of 2 instances"),
     ],

@@ -123,13 +123,6 @@ def test_a_resumed_fragment_schedule_syncs_as_the_uninterrupted_run(ranks, name,
         _same(resumed[2], resumed[1], f"rank {rank}, a second sync_outer")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the checkpoint records the inner step count only, so a resume takes each fragment's last sync to be its "
-    "last scheduled one and forgets a sync_outer() made before the save: the next sync_outer() syncs again (one more "
-    "outer momentum step); recording the fragments' last sync steps needs a field in the checkpoint's outer record",
-)
 def test_a_sync_outer_before_the_save_is_remembered_by_the_resumed_run(ranks):
     """sync_outer() at step 5, saved, resumed: the resumed model's sync_outer() is a no-op, as it is for the run that
     never stopped (the same weights, global weights and momentum, bit for bit)."""

@@ -49,7 +49,8 @@ MAX_RECORD_TEXT = 1 << 16
 
 TOP_REQUIRED = ("format", "version", "step", "layout", "meshes", "groups", "tensors", "files")
 TOP_OPTIONAL = ("extra", "optimizer", "rng", "order", "unsharded", "model", "outer")
-#: The outer record's fields: DiLoCo's settings and `inner_steps`, the optimizer steps done (the cycle position).
+#: The outer record's fields: DiLoCo's settings and `inner_steps`, the optimizer steps done (the cycle position);
+#: optionally `synced_at`, each fragment's step count at its last outer step (a `sync_outer()` off the schedule).
 OUTER_FIELDS = ("strategy", "sync_every", "lr", "momentum", "nesterov", "comm_dtype", "fragments", "inner_steps")
 
 
@@ -136,7 +137,7 @@ def _outer(value: Any, version: int) -> dict[str, Any] | None:
         return None
     if value is None:
         raise SchemaError("it is format version 4 but has no outer record (DiLoCo's state, which 4 is about)")
-    record = fields.an_object(value, "outer", OUTER_FIELDS, ())
+    record = fields.an_object(value, "outer", OUTER_FIELDS, ("synced_at",))
     if record["strategy"] != "diloco":
         raise SchemaError(f"outer.strategy is {fields.show(record['strategy'])}, where the format has 'diloco'")
     settings = {k: record[k] for k in OUTER_FIELDS if k not in ("strategy", "inner_steps")}
@@ -151,7 +152,25 @@ def _outer(value: Any, version: int) -> dict[str, Any] | None:
         DiLoCoConfig(**settings)
     except ConfigError as err:
         raise SchemaError(f"outer is not a valid DiLoCo record: {'; '.join(p.message for p in err.problems)}") from None
-    return {**record, "inner_steps": fields.whole(record["inner_steps"], "outer.inner_steps")}
+    steps = fields.whole(record["inner_steps"], "outer.inner_steps")
+    out = {**record, "inner_steps": steps}
+    if "synced_at" in record:
+        out["synced_at"] = _synced_at(record["synced_at"], settings["fragments"], steps)
+    return out
+
+
+def _synced_at(value: Any, fragments: int, steps: int) -> list[int]:
+    """`outer.synced_at`: each fragment's step count at its last outer step, none past `inner_steps` (an index
+    written before the field existed has none: each fragment's last sync is then its last scheduled one)."""
+    if not isinstance(value, list) or len(value) != fragments:
+        raise SchemaError(f"outer.synced_at is {fields.show(value)}, where the format has a list of {fragments} steps")
+    synced = [fields.whole(v, f"outer.synced_at[{i}]", MAX_LAYOUT_INT) for i, v in enumerate(value)]
+    late = next((i for i, v in enumerate(synced) if v > steps), None)
+    if late is not None:
+        raise SchemaError(
+            f"outer.synced_at[{late}] is {synced[late]}, after the {steps} optimizer steps the record says were done"
+        )
+    return synced
 
 
 def _meshes(value: Any) -> dict[str, Any]:

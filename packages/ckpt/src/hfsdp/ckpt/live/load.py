@@ -93,6 +93,8 @@ def load_checkpoint(
         if index.outer is None:
             model.outer.restart_from_main()
         model.outer.steps = index.outer["inner_steps"] if index.outer is not None else 0
+        if index.outer is not None and "synced_at" in index.outer:  # a sync_outer() off the schedule, remembered
+            model.outer.synced_at = list(index.outer["synced_at"])
     if optimizer is not None:
         optim_state.restore(optimizer, model, index.optimizer, states)
     if rng is not None:

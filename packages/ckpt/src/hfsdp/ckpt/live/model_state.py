@@ -149,7 +149,9 @@ def outer_record(model) -> dict | None:
     model = engine_of(model)
     if model.outer is None:
         return None
-    return {"strategy": "diloco", **model.outer.config.to_dict(), "inner_steps": model.outer.steps}
+    outer = model.outer
+    schedule = {"inner_steps": outer.steps, "synced_at": list(outer.synced_at)}
+    return {"strategy": "diloco", **outer.config.to_dict(), **schedule}
 
 
 def outer_tensors(model) -> dict[tuple[str, str], torch.Tensor]:
