@@ -107,11 +107,52 @@ def _lora(layout: str, rank: int, world: int) -> dict:
     return {"losses": losses, "dtype": seen["dtype"], "bytes": _frozen_bytes(model), "trainable": trainable, **held}
 
 
+LORA_STEPS = 3
+
+
+def _fp32_lora():
+    """peft's LoRA (q_proj, v_proj, rank 4, Gaussian A) on the tiny Llama in fp32, its adapters' init seeded."""
+    from peft import LoraConfig, get_peft_model
+
+    from hfsdp.models import hf
+
+    base = hf.build_causal_lm(hf.config_from_dict(TINY_LLAMA), seed=0)
+    torch.manual_seed(1)
+    return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
+
+
+def _lora_batch(world: int) -> torch.Tensor:
+    return torch.randint(0, 64, (world, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _fp32_lora_sharded(layout: str, rank: int, world: int) -> dict:
+    """The fp32 LoRA sharded (its frozen base too), AdamW over the adapters: losses and the trained adapters."""
+    from hfsdp.core import build_meshes, fully_shard
+
+    model = _fp32_lora()
+    cfg = _cfg(layout)
+    model = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.base_model.model.model.layers))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = _lora_batch(world)[rank : rank + 1]
+    losses = []
+    for _ in range(LORA_STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    adapters = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    return {"losses": losses, "adapters": adapters}
+
+
 def _all(rank: int, world: int) -> dict:
     out = {}
     for layout in LAYOUTS:
         out[layout] = {"fp32": _toy(layout, False, rank, world), "bf16": _toy(layout, True, rank, world)}
         out[layout]["lora"] = _lora(layout, rank, world)
+        out[layout]["fp32 lora"] = _fp32_lora_sharded(layout, rank, world)
     return out
 
 
@@ -186,3 +227,25 @@ def test_peft_lora_trains_in_bf16_on_a_frozen_base_whose_share_falls_with_the_ra
         case = rank["ZeRO-3 1x6"]["lora"]
         assert case["dtypes"] == {torch.bfloat16}
         assert 2 * case["elements"] <= case["bytes"] < 2.05 * case["elements"], case  # padding: a few elements
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_peft_lora_on_a_sharded_frozen_base_trains_like_the_unsharded_model(runs, layout):
+    """peft's LoRA in fp32, its frozen base sharded: the losses and the trained adapters equal peft's unsharded model
+    trained by the same AdamW on the whole batch in one process."""
+    model = _fp32_lora()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = _lora_batch(6)
+    losses = []
+    for _ in range(LORA_STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    case = runs[0][layout]["fp32 lora"]
+    torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    adapters = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert adapters.keys() == case["adapters"].keys() and adapters
+    for name, value in adapters.items():
+        torch.testing.assert_close(case["adapters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
