@@ -254,6 +254,8 @@ def test_format_4_holds_every_instance_and_the_outer_record(runs):
     }
     diloco = CASES["int8 H=4 F=2"]
     assert index.outer["synced_at"] == [SAVE_AT - (SAVE_AT - diloco.offset(f)) % 4 for f in range(2)]
+    source, resharded = (read_index(resolve(runs["root"] / n)) for n in ("fp32 H=5", "fp32 H=5 to 3x2"))
+    assert "synced_at" in source.outer and resharded.outer == source.outer  # the offline reshard keeps the record
     assert set(index.kinds) == {
         "model",
         "main",
