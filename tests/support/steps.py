@@ -17,3 +17,19 @@ def accumulate(sharded, count: int, loss_of: Callable[[int], torch.Tensor]) -> t
         loss.backward()
         total += loss.detach()
     return total
+
+
+def causal_lm_steps(model, opt, ids: torch.Tensor, steps: int, ranks: int = 1) -> list[float]:
+    """`steps` optimizer steps of a causal LM on `ids` (its own labels): each step's loss, averaged over `ranks`
+    ranks (an all-reduce, collective) where a sharded model runs on several, each rank on its share of the batch."""
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float().clone()
+        if ranks > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / ranks)
+    return losses

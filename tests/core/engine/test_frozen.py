@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
+from tests.support.steps import causal_lm_steps
 from tests.support.toy_models import TINY_LLAMA, make_toy, microbatch, plain_steps
 
 STEPS = 2
@@ -92,15 +93,7 @@ def _lora(layout: str, rank: int, world: int) -> dict:
     base_layer = layers[0].self_attn.q_proj.base_layer
     base_layer.register_forward_pre_hook(lambda m, i: seen.update(dtype=m.weight.dtype))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 64, (world, 16), generator=gen)[rank : rank + 1]
-    losses = []
-    for _ in range(4):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = causal_lm_steps(model, opt, _lora_batch(world)[rank : rank + 1], 4)  # this rank's own losses
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     held = {"elements": sum(p.numel() for p in frozen), "dtypes": {p.dtype for p in frozen}}
@@ -133,16 +126,7 @@ def _fp32_lora_sharded(layout: str, rank: int, world: int) -> dict:
     cfg = _cfg(layout)
     model = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.base_model.model.model.layers))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = _lora_batch(world)[rank : rank + 1]
-    losses = []
-    for _ in range(LORA_STEPS):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = causal_lm_steps(model, opt, _lora_batch(world)[rank : rank + 1], LORA_STEPS, world)
     adapters = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     return {"losses": losses, "adapters": adapters}
 
@@ -235,14 +219,7 @@ def test_peft_lora_on_a_sharded_frozen_base_trains_like_the_unsharded_model(runs
     trained by the same AdamW on the whole batch in one process."""
     model = _fp32_lora()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = _lora_batch(6)
-    losses = []
-    for _ in range(LORA_STEPS):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = causal_lm_steps(model, opt, _lora_batch(6), LORA_STEPS)
     case = runs[0][layout]["fp32 lora"]
     torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     adapters = {k: v for k, v in model.state_dict().items() if "lora_" in k}

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 
 from tests.support.distributed import run_distributed
+from tests.support.steps import causal_lm_steps
 from tests.support.toy_models import TINY_LLAMA, make_toy, microbatch, reference_run
 
 STEPS, MICROBATCHES, CLIP = 2, 2, 0.05
@@ -199,16 +200,7 @@ def _nested_llama(layout: str, nesting: str, rank: int, world: int) -> dict:
     cfg = LayoutConfig(world_size=world_size, inner=inner, outer=outer, instances=instances)
     model = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=units)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = _llama_batch()[rank : rank + 1]
-    losses = []
-    for _ in range(STEPS + 1):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = causal_lm_steps(model, opt, _llama_batch()[rank : rank + 1], STEPS + 1, world)
     return {"losses": losses, "weights": _full_weights(model)}
 
 
@@ -408,14 +400,7 @@ def test_nested_llama_layers_and_mlps_train_like_the_unsharded_model(runs, layou
     of a sum's order: 1.7e-5 for q_proj, the same with one unit per layer)."""
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = _llama_batch()
-    losses = []
-    for _ in range(STEPS + 1):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = causal_lm_steps(model, opt, _llama_batch(), STEPS + 1)
     case, flat = runs[layout]["nested llama"][nesting], runs[layout]["nested llama"]["flat"]
     torch.testing.assert_close(torch.tensor(case["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for name, value in model.named_parameters():
