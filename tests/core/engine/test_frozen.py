@@ -131,10 +131,30 @@ def _fp32_lora_sharded(layout: str, rank: int, world: int) -> dict:
     return {"losses": losses, "adapters": adapters}
 
 
+def _toggled_after_sharding(layout: str, rank: int, world: int) -> dict[str, str]:
+    """`requires_grad` changed after `fully_shard`, both ways: what the next forward said."""
+    from hfsdp.core import build_meshes, fully_shard
+
+    out = {}
+    for toggle in ("freeze a trained weight", "unfreeze a frozen weight"):
+        model = _frozen_toy()
+        cfg = _cfg(layout)
+        model = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers))
+        name = "layers.1.down.weight" if toggle.startswith("freeze") else "layers.1.up.weight"
+        model.get_parameter(name).requires_grad_(toggle.startswith("unfreeze"))
+        try:
+            model(*microbatch(0, 0, 1, rank, world)).backward()
+            out[toggle] = "accepted"
+        except RuntimeError as err:
+            out[toggle] = str(err)
+    return out
+
+
 def _all(rank: int, world: int) -> dict:
     out = {}
     for layout in LAYOUTS:
-        out[layout] = {"fp32": _toy(layout, False, rank, world), "bf16": _toy(layout, True, rank, world)}
+        out[layout] = {"toggled": _toggled_after_sharding(layout, rank, world)}
+        out[layout]["fp32"], out[layout]["bf16"] = _toy(layout, False, rank, world), _toy(layout, True, rank, world)
         out[layout]["lora"] = _lora(layout, rank, world)
         out[layout]["fp32 lora"] = _fp32_lora_sharded(layout, rank, world)
     return out
@@ -226,3 +246,11 @@ def test_peft_lora_on_a_sharded_frozen_base_trains_like_the_unsharded_model(runs
     assert adapters.keys() == case["adapters"].keys() and adapters
     for name, value in adapters.items():
         torch.testing.assert_close(case["adapters"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_requires_grad_changed_after_sharding_is_refused_at_the_next_forward(runs, layout):
+    """Freezing a trained weight (it would go on training) or unfreezing a frozen one (it would never get a gradient)
+    after `fully_shard` is refused at the next forward, naming the parameter and the fix."""
+    for toggle, message in runs[0][layout]["toggled"].items():
+        assert "before fully_shard" in message and "layers.1." in message, (toggle, message)

@@ -132,7 +132,7 @@ class Sharding:
                     self.step,
                     reshard_after_forward=reshard_root_after_forward if is_root else reshard_after_forward,
                     input_dtype=mp.param_dtype if is_root else None,
-                    before_forward=self.check_units_in_place if is_root else None,
+                    before_forward=self.check_before_forward if is_root else None,
                 )
             )
             if not is_root:  # the root's class becomes an `HFSDPModule` in `fully_shard`
@@ -150,7 +150,6 @@ class Sharding:
         self.groups: list[FlatParamGroup] = [g for unit in self.units for g in unit.groups]
         #: The main params, what an optimizer steps; frozen groups' pieces are module parameters too, never stepped.
         self.main_params: list[MainParam] = [p for g in self.groups if not g.frozen for p in g.main_params]
-        self.frozen_params: list[MainParam] = [p for g in self.groups if g.frozen for p in g.main_params]
         self.outer: OuterSync | None = OuterSync(diloco, self.groups, len(self.units)) if diloco else None
         #: The ranks a step's scalars (the gradient norm) are reduced over: one instance with DiLoCo, else all.
         apart = meshes.dense_layout.independent_axes()
@@ -211,6 +210,25 @@ class Sharding:
             )
             groups.append(group)
         return groups
+
+    def check_before_forward(self) -> None:
+        """Before each forward (the root's): the model is still as it was sharded."""
+        self.check_units_in_place()
+        self._check_requires_grad()
+
+    def _check_requires_grad(self) -> None:
+        """A parameter frozen or unfrozen after `fully_shard` would be silently ignored: a newly frozen one would go on
+        training (its group still reduces gradients for it), a newly unfrozen one would never get a gradient (its
+        group is frozen). Refuse it at the next forward."""
+        for group in self.groups:
+            for piece in group.main_params:
+                if piece.param.requires_grad == group.frozen:
+                    now = "requires a gradient" if group.frozen else "is frozen"
+                    raise RuntimeError(
+                        f"parameter '{piece.name}' {now} now but did not when fully_shard sharded it: hfsdp keeps "
+                        "frozen parameters in groups of their own (no gradient buffer, no optimizer step), fixed when "
+                        "it shards. Set requires_grad before fully_shard (build the model again for another choice)."
+                    )
 
     def check_units_in_place(self) -> None:
         """Before each forward: every unit still sits where it was sharded. A unit replaced after `fully_shard` (by

@@ -93,7 +93,7 @@ class ShardedUnit:
         before_forward: Callable[[], None] | None = None,
     ):
         self.module, self.groups, self.step = module, groups, step
-        self.before_forward = before_forward  # a check the root runs first (`Sharding.check_units_in_place`)
+        self.before_forward = before_forward  # a check the root runs first (`Sharding.check_before_forward`)
         self.reshard_after_forward = reshard_after_forward
         self.input_dtype = input_dtype  # floating inputs are cast to the compute dtype (root only)
         self.reduced = True  # nothing pending before the first backward
