@@ -28,6 +28,11 @@ from hfsdp.core.engine.sharding import sharding_of
 from hfsdp.core.rules.placement_names import State
 
 
+def _replicas(group) -> int:
+    """How many ranks hold each of `group`'s optimizer pieces (the replicas along axes that do not shard it)."""
+    return group.layout.reduced_size // group.layout.shard_factor(State.OPTIM)
+
+
 def _grads(pieces: Iterable[MainParam]) -> dict[int, list[torch.Tensor]]:
     """The reduced gradient of `pieces`, by how many ranks hold the same piece: one tensor per group where all of
     a group's pieces are there (the common case: the whole model), else one per piece."""
@@ -40,7 +45,7 @@ def _grads(pieces: Iterable[MainParam]) -> dict[int, list[torch.Tensor]]:
         grad = group.grads.main_grad
         if grad is None:
             continue
-        replicas = group.layout.reduced_size // group.layout.shard_factor(State.OPTIM)
+        replicas = _replicas(group)
         if len(mine) == len(group.main_params):
             out.setdefault(replicas, []).append(grad)
             continue
@@ -65,9 +70,7 @@ def grads_norm(pieces: list[MainParam], grads: list[torch.Tensor], norm_type: fl
     """The global `norm_type` norm of `grads`, each the gradient of the piece beside it in `pieces` (collective)."""
     by_replicas: dict[int, list[torch.Tensor]] = {}
     for piece, grad in zip(pieces, grads, strict=True):
-        layout = piece.group.layout
-        replicas = layout.reduced_size // layout.shard_factor(State.OPTIM)
-        by_replicas.setdefault(replicas, []).append(grad)
+        by_replicas.setdefault(_replicas(piece.group), []).append(grad)
     return _norm(pieces, by_replicas, float(norm_type))
 
 

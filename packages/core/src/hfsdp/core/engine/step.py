@@ -55,7 +55,6 @@ class StepContext:
         self.accumulation = Accumulation.UNDECLARED
         self.gradient_sync = True  # FSDP2's requires_gradient_sync
         self.all_reduce = True  # FSDP2's requires_all_reduce (HSDP/HFSDP: the reduction over the outer axis)
-        self.last_backward = True  # FSDP2's is_last_backward: recorded; hfsdp always finishes its reductions
         self.phase = StepPhase.IDLE
         self._begin, self._end = begin_backward, end_backward
         self._queued = False  # the end-of-backward callback of the running backward is queued
@@ -86,12 +85,11 @@ class StepContext:
         if not isinstance(value, bool):
             raise TypeError(f"{name} takes True or False, got {value!r}")
         self._declare(Accumulation.SYNC_FLAGS, name)
-        attribute = {
-            "set_requires_gradient_sync": "gradient_sync",
-            "set_requires_all_reduce": "all_reduce",
-            "set_is_last_backward": "last_backward",
-        }[name]
-        setattr(self, attribute, value)
+        if name == "set_requires_gradient_sync":
+            self.gradient_sync = value
+        elif name == "set_requires_all_reduce":
+            self.all_reduce = value
+        # set_is_last_backward only declares: hfsdp finishes every backward's reductions whatever it says
 
     def _declare(self, accumulation: Accumulation, name: str) -> None:
         if self.accumulation in (Accumulation.UNDECLARED, accumulation):
