@@ -122,6 +122,11 @@ def _meta_init(layout: str, rank: int, world: int) -> dict:
         model = make_toy()
     model = _shard(model, layout)
     model.to_empty(device="cpu")
+    try:
+        model(*microbatch(0, 0, 1, rank, world))
+        unloaded = "accepted"
+    except RuntimeError as err:
+        unloaded = str(err)
     model.load_state_dict(make_toy().state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
@@ -133,7 +138,7 @@ def _meta_init(layout: str, rank: int, world: int) -> dict:
         again = "accepted"
     except RuntimeError as err:
         again = str(err)
-    return {"weights": _full_weights(model), "to_empty again": again}
+    return {"weights": _full_weights(model), "to_empty again": again, "forward before a load": unloaded}
 
 
 def _accumulate_fsdp2_style(layout: str, style: str, rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -385,10 +390,12 @@ def test_a_model_built_on_the_meta_device_shards_materialises_and_trains_like_th
     runs, reference, layout
 ):
     """Built on `torch.device("meta")`, sharded, `to_empty(device=...)`, given the eager model's initial weights by
-    `load_state_dict`: training equals the unsharded model's. `to_empty` on real weights is refused."""
+    `load_state_dict`: training equals the unsharded model's. A forward before any load (it would train from zeros,
+    or from initialisers that saw pieces) and `to_empty` on real weights are refused."""
     case = runs[layout]["meta"]
     _assert_weights(case["weights"], reference)
     assert "would discard them" in case["to_empty again"], case["to_empty again"]
+    assert "no weights were loaded" in case["forward before a load"], case["forward before a load"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -100,6 +100,7 @@ class Sharding:
         self.step = StepContext(layout.reduced_size, self._begin_backward, self._end_backward, outer_axis)
         self.pending: set[str] = set()  # names of ready gradients no optimizer step has consumed yet
         self.consumed = False  # some optimizer stepped since the gradients became ready
+        self.weights_pending = False  # `materialize` gave the groups zeros that no load has replaced yet
         units = list(units)
         locations = _locations(module)
         # Each parameter goes to the innermost unit that holds it (`unit_tree.py`); the root takes the rest.
@@ -168,6 +169,7 @@ class Sharding:
             self.streams = streams_for(device)
         for group in self.groups:
             group.materialize(device, self.streams)
+        self.weights_pending = True  # zeros until a state dict or checkpoint is loaded (`republish` clears it)
 
     @property
     def offload(self) -> bool:
@@ -215,6 +217,13 @@ class Sharding:
         """Before each forward (the root's): the model is still as it was sharded."""
         self.check_units_in_place()
         self._check_requires_grad()
+        if self.weights_pending:
+            raise RuntimeError(
+                "the model was built on the meta device and given buffers by to_empty(), but no weights were loaded "
+                "into them since: it would train from zeros. Load them first: model.load_state_dict(state_dict) or "
+                "hfsdp.ckpt.load_checkpoint(dir, model). An initialiser run on the modules after sharding sees only "
+                "this rank's pieces of each parameter, so initialise the unsharded model and load its state dict."
+            )
 
     def _check_requires_grad(self) -> None:
         """A parameter frozen or unfrozen after `fully_shard` would be silently ignored: a newly frozen one would go on
@@ -398,6 +407,7 @@ class Sharding:
         weights were written outside an optimizer step (a state dict or a checkpoint loaded into them)."""
         for group in self.groups:
             group.publish_main_weights()
+        self.weights_pending = False
 
     # -- sharded views ---------------------------------------------------------------------
 
