@@ -263,7 +263,9 @@ class FlatParamGroup:
         as soon as backward ends. With another reduce dtype it must be an fp32 copy
         (an optimizer steps fp32 main params): `copy=True` makes it, which is done only
         right before the optimizer step, so the copy is not held through the rest of
-        the step. Offloaded, `copy=True` stages the reduced gradient in host memory.
+        the step; none for a piece whose optimizer reads the buffer in the reduce dtype
+        itself (`reads_reduced_grad`). Offloaded, `copy=True` stages the reduced gradient
+        in host memory.
         """
         if not self.grads.holds:
             return
@@ -273,8 +275,9 @@ class FlatParamGroup:
             return
         if self.grads.reduce_dtype != torch.float32 and not copy:
             return
+        direct = self.grads.reduce_dtype != torch.float32  # a piece whose optimizer reads the buffer needs no copy
         for piece in pieces:  # an empty piece gets an empty gradient: every rank has one under every name
-            if piece.param.grad is None:
+            if piece.param.grad is None and not (direct and piece.reads_reduced_grad):
                 piece.param.grad = piece.grad_view()
 
     def start_host_grad_copy(self) -> None:

@@ -80,6 +80,9 @@ class MainParam:
     stop: int
     offset: int  # of the piece in the group's optimizer range
     param: nn.Parameter
+    #: Set by an optimizer that reads this piece's reduced gradient from the group's buffer in the reduce dtype
+    #: (`FusedAdamW`): with a non-fp32 reduction no fp32 copy is made as `.grad` before its step.
+    reads_reduced_grad: bool = False
 
     @property
     def name(self) -> str:

@@ -41,6 +41,13 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 
 #: Elements per Triton program and warps per program: 16 fp32 elements per thread, four 16-byte loads per tensor.
 BLOCK, NUM_WARPS = 4096, 8
+#: Elements per fp8 scale (a block of one piece; see `fused_adamw` for the measurement behind 128).
+SCALE_BLOCK = 128
+#: The largest finite value of each fp8 format and the exponent of its leading binade (448 = 1.75 * 2**8).
+FP8_MAX = {torch.float8_e4m3fn: (448.0, 8), torch.float8_e5m2: (57344.0, 15)}
+#: The kernel's code of each moment dtype.
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,37 @@ def triton_usable(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+class ScaleBlocks:
+    """The fp8 scale blocks of one run: each piece of the run is cut into blocks of `block` elements from its own
+    start (the last one shorter), so a block never spans two pieces and the same piece always has the same blocks.
+    `starts` and `lens` (int32, on the run's device) are what the kernel reads; `ids` (the block of each element,
+    made on first use) is what the torch path gathers and reduces by."""
+
+    def __init__(self, lengths: list[int], device, block: int = SCALE_BLOCK):
+        starts, lens, at = [], [], 0
+        for length in lengths:
+            for lo in range(0, length, block):
+                starts.append(at + lo)
+                lens.append(min(block, length - lo))
+            at += length
+        self.numel, self.count, self.block = at, len(starts), block
+        index = torch.int32 if at < 2**31 else torch.int64
+        self.starts = torch.tensor(starts, dtype=index, device=device)
+        self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self._ids: torch.Tensor | None = None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        if self._ids is None:
+            blocks = torch.arange(self.count, device=self.lens.device)
+            self._ids = torch.repeat_interleave(blocks, self.lens.long(), output_size=self.numel)
+        return self._ids
+
+
 def adamw_run(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -90,39 +128,109 @@ def adamw_run(
     coef: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    *,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    blocks: ScaleBlocks | None = None,
 ) -> str:
-    """Step one run in place: `param`, `exp_avg`, `exp_avg_sq` (contiguous fp32, same length), `grad` (fp32),
-    the gradient first multiplied by the one-element fp32 tensor `coef`; `out` (bf16 or fp16, same length)
-    receives the new weights. Returns the backend used ("triton" or "torch")."""
+    """Step one run in place: `param` (contiguous fp32), `grad` (fp32 or bf16, read as it is), `exp_avg` and
+    `exp_avg_sq` (each fp32, bf16, fp16 or fp8, same length, stored back in their dtype), the gradient first
+    multiplied by the one-element fp32 tensor `coef`; `out` (bf16 or fp16, same length) receives the new weights.
+    An fp8 moment needs its fp32 `scales` entry (one power of two per block of `blocks`; by default the run is one
+    piece). Returns the backend used ("triton" or "torch")."""
     n = param.numel()
-    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.numel() != n or t.dtype != torch.float32 or t.device != param.device or not t.is_contiguous():
-            raise ValueError(f"adamw_run: {name} must be a contiguous fp32 tensor of {n} elements on {param.device}")
     if param.dtype != torch.float32 or not param.is_contiguous():
         raise ValueError("adamw_run: the parameter run must be a contiguous fp32 tensor")
+    checks = (("grad", grad, GRAD_DTYPES), ("exp_avg", exp_avg, KINDS), ("exp_avg_sq", exp_avg_sq, KINDS))
+    for name, t, dtypes in checks:
+        if t.numel() != n or t.dtype not in dtypes or t.device != param.device or not t.is_contiguous():
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(
+                f"adamw_run: {name} must be a contiguous tensor ({allowed}) of {n} elements on {param.device}"
+            )
     if out is not None and (out.numel() != n or out.dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"adamw_run: out must be a bf16 or fp16 tensor of {n} elements")
+    if (is_fp8(exp_avg.dtype) or is_fp8(exp_avg_sq.dtype)) and blocks is None:
+        blocks = ScaleBlocks([n], param.device)
+    for name, t, scale in (("exp_avg", exp_avg, scales[0]), ("exp_avg_sq", exp_avg_sq, scales[1])):
+        if is_fp8(t.dtype) and (
+            blocks.numel != n
+            or scale is None
+            or scale.dtype != torch.float32
+            or scale.numel() != blocks.count
+            or not scale.is_contiguous()
+        ):
+            raise ValueError(f"adamw_run: an fp8 {name} needs a contiguous fp32 scale per block ({n} elements)")
     if backend == "auto":
         backend = "triton" if triton_usable(param) else "torch"
     if n == 0:
         return backend
     if backend == "triton":
-        _triton_run(param, grad, exp_avg, exp_avg_sq, scalars, coef, out)
+        _triton_run(param, grad, exp_avg, exp_avg_sq, scalars, coef, out, scales, blocks)
     else:
-        _torch_run(param, grad, exp_avg, exp_avg_sq, scalars, coef, out)
+        _torch_run(param, grad, exp_avg, exp_avg_sq, scalars, coef, out, scales, blocks)
     return backend
 
 
-def _torch_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out) -> None:
-    """The reference implementation: one IEEE-rounded fp32 operation at a time, in the kernel's order."""
-    g = grad * coef if coef is not None else grad
+def _torch_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, scales=(None, None), blocks=None) -> None:
+    """The reference implementation: one IEEE-rounded fp32 operation at a time, in the kernel's order. The moments
+    are loaded into fp32 (exactly: an upcast, times a power of two for fp8), updated in fp32, used in fp32 for the
+    update, and rounded to their dtype once, when stored (round to nearest even)."""
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    if coef is not None:
+        g = g * coef
+    m = load_moment(exp_avg, scales[0], blocks)  # exp_avg itself where it is fp32 (updated in place)
+    v = load_moment(exp_avg_sq, scales[1], blocks)
     param.mul_(s.decay)
-    exp_avg.mul_(s.beta1).add_(g * s.one_minus_beta1)
-    exp_avg_sq.mul_(s.beta2).add_((g * g).mul_(s.one_minus_beta2))
-    denom = _sqrt_rn(exp_avg_sq).mul_(s.inv_bc2_sqrt).add_(s.eps)
-    param.sub_(torch.div(exp_avg, denom).mul_(s.step_size))
+    m.mul_(s.beta1).add_(g * s.one_minus_beta1)
+    v.mul_(s.beta2).add_((g * g).mul_(s.one_minus_beta2))
+    denom = _sqrt_rn(v).mul_(s.inv_bc2_sqrt).add_(s.eps)
+    param.sub_(torch.div(m, denom).mul_(s.step_size))
+    store_moment(exp_avg, m, scales[0], blocks)
+    store_moment(exp_avg_sq, v, scales[1], blocks)
     if out is not None:
         out.copy_(param)
+
+
+def load_moment(stored: torch.Tensor, scale: torch.Tensor | None, blocks: ScaleBlocks | None) -> torch.Tensor:
+    """A moment's values in fp32: `stored` itself when it is fp32, its exact upcast otherwise (an fp8 value times
+    its block's power-of-two scale, which is exact too)."""
+    if stored.dtype == torch.float32:
+        return stored
+    values = stored.float()
+    if is_fp8(stored.dtype):
+        values.mul_(scale[blocks.ids])
+    return values
+
+
+def store_moment(stored: torch.Tensor, values: torch.Tensor, scale: torch.Tensor | None, blocks) -> None:
+    """Round fp32 `values` into `stored`'s dtype (to nearest even); for fp8, first give each block the power-of-two
+    scale that maps its largest magnitude into the format's range (`pow2_scale`), and divide by it (exactly)."""
+    if values is stored:
+        return
+    if not is_fp8(stored.dtype):
+        stored.copy_(values)
+        return
+    amax = torch.zeros(blocks.count, dtype=torch.float32, device=values.device)
+    amax.scatter_reduce_(0, blocks.ids, values.abs(), "amax")
+    new_scale, inverse = pow2_scale(amax, stored.dtype)
+    stored.copy_(values.mul_(inverse[blocks.ids]))
+    scale.copy_(new_scale)
+
+
+def pow2_scale(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest power of two `s` with `amax <= fmax * s` (fmax: the fp8 format's largest finite value), and
+    `1 / s`, both exact fp32, from the bits of `amax` (the kernel computes the same with the same integer steps).
+    Clamped to 2**±126, so that both are normal floats; a zero block gets 2**-126."""
+    fmax, top = FP8_MAX[dtype]
+    e = (amax.view(torch.int32) >> 23) - (127 + top)  # floor(log2 amax) - floor(log2 fmax)
+    e = e.clamp(-126, 126)
+    e = torch.where(amax > fmax * _exp2(e), e + 1, e).clamp(max=126)
+    return _exp2(e), _exp2(-e)
+
+
+def _exp2(e: torch.Tensor) -> torch.Tensor:
+    """2**e as fp32, exactly, for int32 `e` in [-126, 127]."""
+    return ((e + 127) << 23).view(torch.float32)
 
 
 def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -132,38 +240,111 @@ def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     return x.sqrt() if x.is_cuda else x.double().sqrt().float()
 
 
-def _triton_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out) -> None:
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel is given for a moment: bf16 as its int16 bits (loaded and rounded by integer steps)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _triton_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, scales=(None, None), blocks=None):
     n = param.numel()
     bf16 = out is not None and out.dtype == torch.bfloat16
     out_arg = out.view(torch.int16) if bf16 else (out if out is not None else param)
     coef_arg = coef if coef is not None else param
-    grid = (triton.cdiv(n, BLOCK),)
-    _adamw_kernel[grid](
+    m_kind, v_kind = KINDS[exp_avg.dtype], KINDS[exp_avg_sq.dtype]
+    scalars = (s.decay, s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.step_size, s.inv_bc2_sqrt, s.eps)
+    flags = {"HAS_COEF": coef is not None, "HAS_OUT": out is not None, "OUT_BF16": bf16, "M_KIND": m_kind}
+    flags.update(V_KIND=v_kind, num_warps=NUM_WARPS, enable_fp_fusion=False)  # one rounding per operation
+    m_arg, v_arg = _kernel_view(exp_avg), _kernel_view(exp_avg_sq)
+    if m_kind < 3 and v_kind < 3:
+        grid = (triton.cdiv(n, BLOCK),)
+        _adamw_kernel[grid](param, grad, m_arg, v_arg, out_arg, coef_arg, n, *scalars, BLOCK=BLOCK, **flags)
+        return
+    m_scale = scales[0] if scales[0] is not None else param  # a placeholder pointer where the moment has no scale
+    v_scale = scales[1] if scales[1] is not None else param
+    rows = BLOCK // blocks.block
+    grid = (triton.cdiv(blocks.count, rows),)
+    _adamw_blocks_kernel[grid](
         param,
         grad,
-        exp_avg,
-        exp_avg_sq,
+        m_arg,
+        v_arg,
         out_arg,
         coef_arg,
-        n,
-        s.decay,
-        s.beta1,
-        s.one_minus_beta1,
-        s.beta2,
-        s.one_minus_beta2,
-        s.step_size,
-        s.inv_bc2_sqrt,
-        s.eps,
-        HAS_COEF=coef is not None,
-        HAS_OUT=out is not None,
-        OUT_BF16=bf16,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,  # one rounding per operation, as the torch implementation does
+        m_scale,
+        v_scale,
+        blocks.starts,
+        blocks.lens,
+        blocks.count,
+        *scalars,
+        M_MAX=FP8_MAX[exp_avg.dtype][0] if m_kind >= 3 else 0.0,
+        M_TOP=FP8_MAX[exp_avg.dtype][1] if m_kind >= 3 else 0,
+        V_MAX=FP8_MAX[exp_avg_sq.dtype][0] if v_kind >= 3 else 0.0,
+        V_TOP=FP8_MAX[exp_avg_sq.dtype][1] if v_kind >= 3 else 0,
+        ROWS=rows,
+        SB=blocks.block,
+        **flags,
     )
 
 
 if triton is not None:
+
+    @triton.jit
+    def _bf16_bits(x):
+        """fp32 -> bf16 bits, round to nearest even on the bits (as torch's cast does; NaN to the canonical NaN)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        return tl.where(x != x, 0x7FC0, rounded)
+
+    @triton.jit
+    def _load_moment(ptr, offs, mask, KIND: tl.constexpr):
+        """A moment of kind 0-2 (fp32, bf16 as int16 bits, fp16) upcast to fp32 in registers (exact)."""
+        if KIND == 1:
+            bits = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            return (bits << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_moment(ptr, offs, x, mask, KIND: tl.constexpr):
+        """Store fp32 `x` as a moment of kind 0-2, rounded to nearest even."""
+        if KIND == 1:
+            tl.store(ptr + offs, _bf16_bits(x), mask=mask)
+        elif KIND == 2:
+            tl.store(ptr + offs, x.to(tl.float16, fp_downcast_rounding="rtne"), mask=mask)
+        else:
+            tl.store(ptr + offs, x, mask=mask)
+
+    @triton.jit
+    def _exp2_bits(e):
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _store_fp8(ptr, scale_ptr, rows, row_mask, offs, x, mask, FMAX: tl.constexpr, TOP: tl.constexpr):
+        """`pow2_scale` and the store of `store_moment`, per row (one scale block) of the tile `x`."""
+        amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+        e = (amax.to(tl.int32, bitcast=True) >> 23) - (127 + TOP)
+        e = tl.minimum(tl.maximum(e, -126), 126)
+        e = tl.where(amax > FMAX * _exp2_bits(e), e + 1, e)
+        e = tl.minimum(e, 126)
+        q = (x * _exp2_bits(-e)[:, None]).to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(ptr + offs, q, mask=mask)
+        tl.store(scale_ptr + rows, _exp2_bits(e), mask=row_mask)
+
+    @triton.jit
+    def _adamw_math(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps):
+        p = p * decay
+        m = m * beta1 + g * one_minus_beta1
+        v = v * beta2 + (g * g) * one_minus_beta2
+        denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+        p = p - tl.div_rn(m, denom) * step_size
+        return p, m, v
+
+    @triton.jit
+    def _store_out(out_ptr, offs, p, mask, OUT_BF16: tl.constexpr):
+        if OUT_BF16:
+            tl.store(out_ptr + offs, _bf16_bits(p), mask=mask)
+        else:
+            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _adamw_kernel(
@@ -185,29 +366,95 @@ if triton is not None:
         HAS_COEF: tl.constexpr,
         HAS_OUT: tl.constexpr,
         OUT_BF16: tl.constexpr,
+        M_KIND: tl.constexpr,
+        V_KIND: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """Moments in fp32, bf16 or fp16: BLOCK consecutive elements per program."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask)
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        m = _load_moment(m_ptr, offs, mask, M_KIND)
+        v = _load_moment(v_ptr, offs, mask, V_KIND)
         if HAS_COEF:
             g = g * tl.load(coef_ptr)
-        p = p * decay
-        m = m * beta1 + g * one_minus_beta1
-        v = v * beta2 + (g * g) * one_minus_beta2
-        denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
-        p = p - tl.div_rn(m, denom) * step_size
+        p, m, v = _adamw_math(
+            p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps
+        )
         tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        _store_moment(m_ptr, offs, m, mask, M_KIND)
+        _store_moment(v_ptr, offs, v, mask, V_KIND)
         if HAS_OUT:
-            if OUT_BF16:
-                # Round to nearest even on the bits (as torch's cast does; NaN becomes the canonical NaN).
-                bits = p.to(tl.uint32, bitcast=True)
-                rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
-                tl.store(out_ptr + offs, tl.where(p != p, 0x7FC0, rounded), mask=mask)
-            else:
-                tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_out(out_ptr, offs, p, mask, OUT_BF16)
+
+    @triton.jit
+    def _adamw_blocks_kernel(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        out_ptr,
+        coef_ptr,
+        ms_ptr,
+        vs_ptr,
+        starts_ptr,
+        lens_ptr,
+        count,
+        decay,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        step_size,
+        inv_bc2_sqrt,
+        eps,
+        HAS_COEF: tl.constexpr,
+        HAS_OUT: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        M_KIND: tl.constexpr,
+        V_KIND: tl.constexpr,
+        M_MAX: tl.constexpr,
+        M_TOP: tl.constexpr,
+        V_MAX: tl.constexpr,
+        V_TOP: tl.constexpr,
+        ROWS: tl.constexpr,
+        SB: tl.constexpr,
+    ):
+        """Some moment in fp8: a tile of ROWS scale blocks (one row each, SB elements at most) per program, so each
+        block's amax is a row reduction in registers and its scale is computed and stored by this program."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < count
+        starts = tl.load(starts_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        lens = tl.load(lens_ptr + rows, mask=row_mask, other=0)
+        cols = tl.arange(0, SB)
+        offs = starts[:, None] + cols[None, :]
+        mask = cols[None, :] < lens[:, None]
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if M_KIND >= 3:
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = m * tl.load(ms_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        else:
+            m = _load_moment(m_ptr, offs, mask, M_KIND)
+        if V_KIND >= 3:
+            v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = v * tl.load(vs_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        else:
+            v = _load_moment(v_ptr, offs, mask, V_KIND)
+        if HAS_COEF:
+            g = g * tl.load(coef_ptr)
+        p, m, v = _adamw_math(
+            p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps
+        )
+        tl.store(p_ptr + offs, p, mask=mask)
+        if M_KIND >= 3:
+            _store_fp8(m_ptr, ms_ptr, rows, row_mask, offs, m, mask, M_MAX, M_TOP)
+        else:
+            _store_moment(m_ptr, offs, m, mask, M_KIND)
+        if V_KIND >= 3:
+            _store_fp8(v_ptr, vs_ptr, rows, row_mask, offs, v, mask, V_MAX, V_TOP)
+        else:
+            _store_moment(v_ptr, offs, v, mask, V_KIND)
+        if HAS_OUT:
+            _store_out(out_ptr, offs, p, mask, OUT_BF16)

@@ -39,6 +39,7 @@ with `offload`, `torch.optim.AdamW(fused=True)` is the better choice.
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -47,9 +48,21 @@ import torch
 
 from hfsdp.core.buffers.main_params import MainParam, piece_of
 from hfsdp.core.engine.clip import pieces_norm
-from hfsdp.core.kernels.adamw_kernel import AdamWScalars, adamw_run, triton
+from hfsdp.core.kernels.adamw_kernel import (
+    SCALE_BLOCK,
+    AdamWScalars,
+    ScaleBlocks,
+    adamw_run,
+    is_fp8,
+    store_moment,
+    triton,
+)
+from hfsdp.core.kernels.optimizer_dtypes import state_dtype
 
 BACKENDS = ("auto", "triton", "torch")
+#: The per-element state FusedAdamW keeps, and the keys under which a state dict carries fp8 moments' scales.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SCALE_KEYS = {key: f"{key}_scale" for key in MOMENTS}
 
 
 @dataclass
@@ -62,6 +75,39 @@ class _Run:
     step: int
     states: list[dict] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # of its pieces, in order (their fp8 scale blocks)
+
+
+@dataclass
+class _Moments:
+    """A group's flat moments (or one loose tensor's), in their dtypes, with each fp8 moment's scales: one fp32
+    power of two per block of `SCALE_BLOCK` elements of each piece (`first[offset]`: its first block)."""
+
+    flat: tuple[torch.Tensor, torch.Tensor]
+    scales: tuple[torch.Tensor | None, torch.Tensor | None]
+    first: dict[int, int]
+    blocks: dict[tuple[int, int], ScaleBlocks] = field(default_factory=dict)  # by run (start, stop)
+
+    def scale(self, index: int, offset: int, numel: int) -> torch.Tensor | None:
+        """The scales of moment `index` for the elements [offset, offset + numel) (whole pieces), or None."""
+        scales = self.scales[index]
+        if scales is None:
+            return None
+        first = self.first[offset]
+        return scales[first : first + _count(numel)]
+
+    def run_blocks(self, run: _Run, device) -> ScaleBlocks | None:
+        if self.scales == (None, None):
+            return None
+        found = self.blocks.get((run.start, run.stop))
+        if found is None:
+            found = self.blocks[run.start, run.stop] = ScaleBlocks(run.lengths, device)
+        return found
+
+
+def _count(numel: int) -> int:
+    """Scale blocks of a piece of `numel` elements."""
+    return -(-numel // SCALE_BLOCK)
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -69,6 +115,10 @@ class FusedAdamW(torch.optim.AdamW):
 
     #: What a checkpoint records as the optimizer's kind: the state is torch's AdamW's, so the two are interchangeable.
     state_format = "AdamW"
+    #: `load_state_dict` takes fp8 moments with their `<moment>_scale` entries (hfsdp's checkpoints check this).
+    loads_scaled_state = True
+    #: Read a bf16 reduced gradient from the group's buffer (False: from the fp32 copies the engine would make).
+    _direct_grads = True
 
     def __init__(
         self,
@@ -82,8 +132,16 @@ class FusedAdamW(torch.optim.AdamW):
         prestage_gathers: bool = False,
         overlap_next_forward: bool = False,
         backend: str = "auto",
+        exp_avg_dtype: torch.dtype | str = torch.float32,
+        exp_avg_sq_dtype: torch.dtype | str = torch.float32,
     ):
         problems = _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage_gathers, backend)
+        dtypes = []
+        for key, value in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
+            try:
+                dtypes.append(state_dtype(value, key))
+            except ValueError as err:
+                problems.append(str(err))
         if not isinstance(overlap_next_forward, bool):
             problems.append(f"overlap_next_forward must be True or False, got {overlap_next_forward!r}")
         elif overlap_next_forward and not prestage_gathers:
@@ -99,7 +157,13 @@ class FusedAdamW(torch.optim.AdamW):
         self._in_flight: list = []  # groups whose last step ran on the optim stream
         self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
         self.backends_used: set[str] = set()  # which implementations stepped (for benchmarks and tests)
-        self._moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(group) -> flat (exp_avg, exp_avg_sq)
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = dtypes
+        self._moments: dict[int, _Moments] = {}  # id(group) -> its flat moments (and fp8 scales)
+        self._loose: dict[torch.Tensor, _Moments] = {}  # a tensor that is no hfsdp piece -> its fp8 scales
+        for options in self.param_groups:
+            for param in options["params"]:
+                if (piece := piece_of(param)) is not None and self._direct_grads:
+                    piece.reads_reduced_grad = True  # the engine makes no fp32 copy of a bf16 gradient for it
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -131,13 +195,96 @@ class FusedAdamW(torch.optim.AdamW):
             group.wait_for_publish()
         self._in_flight = []
 
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The dtypes `exp_avg` and `exp_avg_sq` are kept in."""
+        return self.exp_avg_dtype, self.exp_avg_sq_dtype
+
     def state_dict(self):
+        """torch's AdamW state dict, each moment in its own dtype; an fp8 moment adds `<moment>_scale`: its scale
+        per element (uint8, E8M0: the scale is 2**(byte - 127), the same for every element of a block), so it is
+        per-element state that hfsdp's checkpoints cut and reshard like the moments."""
         self.wait()
-        return super().state_dict()
+        packed = super().state_dict()
+        if not any(is_fp8(d) for d in self.dtypes):
+            return packed
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for index, param in enumerate(params):
+            if index in packed["state"]:
+                packed["state"][index] = dict(packed["state"][index])
+                packed["state"][index].update(self._scale_entries(param, packed["state"][index]))
+        return packed
+
+    def checkpoint_state(self, param: torch.Tensor) -> dict:
+        """`param`'s state as `state_dict` gives it (hfsdp's checkpoints save this)."""
+        self.wait()
+        entry = self.state.get(param, {})
+        if not any(is_fp8(d) for d in self.dtypes) or not entry:
+            return entry
+        return {**entry, **self._scale_entries(param, entry)}
 
     def load_state_dict(self, state_dict) -> None:
+        """torch's `load_state_dict`, but the moments are converted once into this optimizer's dtypes instead of
+        torch's cast to the parameter's dtype: the same dtypes (fp8 with the same blocks) are copied bit for bit,
+        fp32 (torch's AdamW) or another dtype is rounded to nearest even, fp8 from other blocks (another layout)
+        is dequantized exactly and requantized with this layout's blocks."""
         self.wait()
-        super().load_state_dict(state_dict)
+        held: dict = {}
+        stripped = {}
+        for index, entry in state_dict["state"].items():
+            keys = (*MOMENTS, *SCALE_KEYS.values())
+            held[index] = {k: v for k, v in entry.items() if k in keys and isinstance(v, torch.Tensor)}
+            stripped[index] = {k: v for k, v in entry.items() if k not in held[index]}
+        super().load_state_dict({**state_dict, "state": stripped})
+        saved = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        mine = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        by_index = dict(zip(saved, mine, strict=True))
+        for index, tensors in held.items():
+            if tensors:
+                self._adopt_loaded(by_index[index], tensors)
+
+    def _scale_entries(self, param: torch.Tensor, entry: dict) -> dict:
+        """`<moment>_scale` of each fp8 moment of `param` (uint8 E8M0 per element, shaped like it)."""
+        out = {}
+        for index, key in enumerate(MOMENTS):
+            scale = self._scale_of(param, index)
+            if scale is None or key not in entry:
+                continue
+            n = param.numel()
+            ids = torch.arange(n, device=scale.device) // SCALE_BLOCK
+            out[SCALE_KEYS[key]] = (scale.view(torch.int32) >> 23).to(torch.uint8)[ids].view(param.shape)
+        return out
+
+    def _scale_of(self, param: torch.Tensor, index: int) -> torch.Tensor | None:
+        """The fp32 scales of `param`'s moment `index` (None: not fp8)."""
+        piece = piece_of(param)
+        if piece is None:
+            found = self._loose.get(param)
+            return None if found is None else found.scales[index]
+        if not piece.holds:
+            return None
+        return self._flat_moments(piece.group).scale(index, piece.offset, piece.param.numel())
+
+    def _adopt_loaded(self, param: torch.Tensor, tensors: dict) -> None:
+        """Convert loaded moments into `param`'s state (views into the flat moments for a piece)."""
+        entry = self.state[param]
+        piece = piece_of(param)
+        if piece is not None and not piece.holds:
+            return
+        if piece is None:
+            moments = self._loose_moments(param)
+            lo = 0
+        else:
+            moments = self._flat_moments(piece.group)
+            lo = piece.offset
+        n = param.numel()
+        for index, key in enumerate(MOMENTS):
+            if key not in tensors:
+                continue
+            flat = moments.flat[index][lo : lo + n]
+            scale = moments.scale(index, lo, n)
+            _convert_into(flat, scale, tensors[key].to(flat.device), tensors.get(SCALE_KEYS[key]))
+            entry[key] = flat.view(param.shape)
 
     def _members(self):
         """The parameters with a gradient: hfsdp pieces by group (engine order: collectives follow it), and the
@@ -146,11 +293,11 @@ class FusedAdamW(torch.optim.AdamW):
         loose = []
         for options in self.param_groups:
             for param in options["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("FusedAdamW does not support sparse gradients.")
                 piece = piece_of(param)
+                if param.grad is None and not (piece is not None and _reads_buffer(piece)):
+                    continue
+                if param.grad is not None and param.grad.is_sparse:
+                    raise RuntimeError("FusedAdamW does not support sparse gradients.")
                 if piece is None:
                     loose.append((options, param))
                 elif piece.holds:
@@ -179,7 +326,8 @@ class FusedAdamW(torch.optim.AdamW):
 
     def _step_group(self, group, members: list[tuple[dict, MainParam]], coef) -> list[torch.Tensor]:
         """Step every piece of `group` this optimizer holds; return their step counters (incremented by the caller)."""
-        exp_avg, exp_avg_sq = self._flat_moments(group)
+        moments = self._flat_moments(group)
+        exp_avg, exp_avg_sq = moments.flat
         mine = {id(piece) for _, piece in members}
         whole = all(id(p) in mine for p in group.main_params if p.holds)
         out = group.compute_weights_out(self.prestage_gathers and whole)
@@ -189,7 +337,7 @@ class FusedAdamW(torch.optim.AdamW):
         device_coef = coef.to(group.main.device) if coef is not None else None
         runs = [  # every tensor the kernels read, made here on the compute stream
             (run, main_grad[run.start : run.stop] if not run.grads else torch.cat([g.reshape(-1) for g in run.grads]))
-            for run in _runs(members, self.state, exp_avg, exp_avg_sq, main_grad)
+            for run in _runs(members, self.state, moments, main_grad)
         ]
         aside = self.overlap_next_forward and out is not None and _steps_aside(group)
         inputs = (*(grad for _, grad in runs), *([device_coef] if device_coef is not None else []))
@@ -205,6 +353,8 @@ class FusedAdamW(torch.optim.AdamW):
                     device_coef,
                     None if out is None else out[lo:hi],
                     self.backend,
+                    scales=(moments.scale(0, lo, hi - lo), moments.scale(1, lo, hi - lo)),
+                    blocks=moments.run_blocks(run, group.main.device),
                 )
                 self.backends_used.add(used)
             if out is not None:
@@ -220,21 +370,41 @@ class FusedAdamW(torch.optim.AdamW):
             group.release_grads()  # stepped: its gradient buffer is free for the gather inputs written after it
         return steps
 
-    def _flat_moments(self, group) -> tuple[torch.Tensor, torch.Tensor]:
-        """The group's flat `exp_avg`, `exp_avg_sq` (zeros at first), aligned with its main weights."""
+    def _flat_moments(self, group) -> _Moments:
+        """The group's flat `exp_avg`, `exp_avg_sq` (zeros at first, in their dtypes), aligned with its main
+        weights, and the scales of the fp8 ones (one per block of each piece this rank holds, 1 at first)."""
         found = self._moments.get(id(group))
         if found is None:
-            found = (torch.zeros_like(group.main), torch.zeros_like(group.main))
+            first, count = {}, 0
+            for piece in sorted((p for p in group.main_params if p.holds), key=lambda p: p.offset):
+                first[piece.offset] = count
+                count += _count(piece.param.numel())
+            found = self._new_moments(group.main, count, first)
             self._moments[id(group)] = found
         return found
+
+    def _loose_moments(self, param: torch.Tensor) -> _Moments:
+        """A tensor that is no hfsdp piece: its moments in its state, its fp8 scales here."""
+        found = self._loose.get(param)
+        if found is None:
+            found = self._loose[param] = self._new_moments(param.detach().reshape(-1), _count(param.numel()), {0: 0})
+        return found
+
+    def _new_moments(self, like: torch.Tensor, blocks: int, first: dict[int, int]) -> _Moments:
+        flat = tuple(torch.zeros(like.numel(), dtype=d, device=like.device) for d in self.dtypes)
+        scales = tuple(torch.ones(blocks, device=like.device) if is_fp8(d) else None for d in self.dtypes)
+        return _Moments(flat, scales, first)
 
     def _step_tensor(self, options: dict, param: torch.Tensor, coef) -> torch.Tensor:
         """A parameter that is no hfsdp piece: its own state tensors, stepped on their own."""
         state = self.state[param]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        moments = self._loose_moments(param)
+        state.setdefault("step", torch.tensor(0.0))
+        for index, key in enumerate(MOMENTS):
+            if key not in state:
+                state[key] = moments.flat[index].view(param.shape)
+            elif state[key].data_ptr() != moments.flat[index].data_ptr():  # given by torch's load_state_dict
+                self._adopt_loaded(param, {key: state[key]})
         if param.dtype != torch.float32:
             raise TypeError(f"FusedAdamW steps fp32 parameters; this one is {param.dtype}.")
         data = param if param.is_contiguous() else param.contiguous()
@@ -242,8 +412,17 @@ class FusedAdamW(torch.optim.AdamW):
         grad = param.grad.reshape(-1).float().contiguous()
         c = coef.to(param.device) if coef is not None else None
         view = data.view(-1)
+        n = param.numel()
         used = adamw_run(
-            view, grad, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), scalars, c, None, self.backend
+            view,
+            grad,
+            *moments.flat,
+            scalars,
+            c,
+            None,
+            self.backend,
+            scales=moments.scales,
+            blocks=moments.run_blocks(_Run(0, n, options, 0, lengths=[n]), param.device),
         )
         self.backends_used.add(used)
         if data is not param:
@@ -257,22 +436,30 @@ def _scalars(options: dict, step: int) -> AdamWScalars:
     return AdamWScalars.of(lr, beta1, beta2, eps, decay, step)
 
 
-def _runs(members, state, exp_avg, exp_avg_sq, main_grad) -> list[_Run]:
-    """Cut the pieces of one group into runs, giving each piece its state (views into the flat moments, adopting
-    state loaded from a state dict). A piece whose gradient is not the view into the group's reduced gradient
-    (another reduce dtype: an fp32 copy) brings it along."""
+def _reads_buffer(piece: MainParam) -> bool:
+    """Whether `piece` is stepped from its group's reduced gradient, read in the reduce dtype (no `.grad` copy)."""
+    grads = piece.group.grads
+    return piece.reads_reduced_grad and grads.reduce_dtype != torch.float32 and grads.holds and not piece.group.offload
+
+
+def _runs(members, state, moments: _Moments, main_grad) -> list[_Run]:
+    """Cut the pieces of one group into runs, giving each piece its state (views into the flat moments, starting at
+    zero). A piece whose gradient is not the view into the group's reduced gradient (an fp32 copy made for another
+    reduce dtype, where the optimizer does not read the buffer itself) brings it along."""
     runs: list[_Run] = []
     for options, piece in sorted(members, key=lambda m: m[1].offset):
         lo, hi = piece.offset, piece.offset + piece.stop - piece.start
         entry = state[piece.param]
-        _adopt(entry, "exp_avg", exp_avg[lo:hi], piece.param.shape)
-        _adopt(entry, "exp_avg_sq", exp_avg_sq[lo:hi], piece.param.shape)
+        for index, key in enumerate(MOMENTS):
+            _adopt(entry, key, moments.flat[index][lo:hi], piece.param.shape)
         step = entry.get("step")
         if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.dtype != torch.float32:
             entry["step"] = step = torch.tensor(float(step or 0.0))
         count = int(step.item())
         grad = piece.param.grad
-        own = main_grad is None or grad.data_ptr() != main_grad[lo:].data_ptr() or not grad.is_contiguous()
+        own = grad is not None and (
+            main_grad is None or grad.data_ptr() != main_grad[lo:].data_ptr() or not grad.is_contiguous()
+        )
         last = runs[-1] if runs else None
         joins = last is not None and last.stop == lo and last.options is options and last.step == count
         if joins and bool(last.grads) == own:
@@ -281,19 +468,43 @@ def _runs(members, state, exp_avg, exp_avg_sq, main_grad) -> list[_Run]:
             last = _Run(lo, hi, options, count)
             runs.append(last)
         last.states.append(entry)
+        last.lengths.append(hi - lo)
         if own:
             last.grads.append(grad)
     return runs
 
 
 def _adopt(entry: dict, key: str, flat: torch.Tensor, shape: torch.Size) -> None:
-    """Make `entry[key]` the view `flat`: copy a loaded tensor into it, or start at zero."""
+    """Make `entry[key]` the view `flat` (state loaded through `load_state_dict` is one already; anything else put
+    there is copied in, rounded to the moment's dtype)."""
     current = entry.get(key)
     if current is not None and current.data_ptr() == flat.data_ptr() and current.numel() == flat.numel():
         return
     if current is not None:
+        if is_fp8(flat.dtype):
+            raise RuntimeError(f"FusedAdamW: an fp8 '{key}' can only be loaded through load_state_dict")
         flat.copy_(current.reshape(-1))
     entry[key] = flat.view(shape)
+
+
+def _convert_into(flat: torch.Tensor, scale: torch.Tensor | None, value: torch.Tensor, value_scale) -> None:
+    """Store the loaded moment `value` (any float dtype; fp8 with its per-element E8M0 `value_scale`, or unscaled)
+    into `flat`, one piece, and its fp8 `scale`. Exact where the dtypes and the blocks agree."""
+    value = value.reshape(-1)
+    n = value.numel()
+    if is_fp8(value.dtype) and value_scale is not None:
+        exponent = value_scale.reshape(-1).to(device=value.device, dtype=torch.int32)
+        firsts = exponent[::SCALE_BLOCK]
+        ids = torch.arange(n, device=value.device) // SCALE_BLOCK
+        if value.dtype == flat.dtype and torch.equal(exponent, firsts[ids]):  # its blocks are this piece's
+            flat.copy_(value)
+            scale.copy_((firsts << 23).view(torch.float32))  # E8M0: byte b is 2**(b - 127)
+            return
+        value = value.float().mul_((exponent << 23).view(torch.float32))  # exact: times a power of two
+    if is_fp8(flat.dtype):
+        store_moment(flat, value.to(torch.float32, copy=True), scale, ScaleBlocks([n], value.device))
+    else:
+        flat.copy_(value)
 
 
 def _engine_groups(by_group) -> list:
