@@ -19,6 +19,13 @@ the same bits; tests check both against a float64 reference and against each oth
 store rounds to nearest even, as `Tensor.to` does (bf16 by integer rounding, which Triton's
 interpreter would otherwise truncate).
 
+The moments may be kept in fp32, bf16, fp16 or fp8 (`fused_adamw` explains the choice): each is loaded in its
+dtype and upcast exactly (fp8: times its block's power-of-two scale), the step computes in fp32, and each is
+stored back rounded to nearest even (fp8: after the block's new scale, the smallest power of two that maps its
+largest magnitude into the format, is divided out exactly). The gradient may be bf16 (upcast exactly). fp8 runs
+use `_adamw_blocks_kernel`: each program steps 32 scale blocks of 128 elements (a table of their starts and
+lengths, since blocks start at each piece's start) and reduces each block's amax in registers.
+
 The formula is torch's AdamW (decoupled weight decay, bias-corrected moments):
 
     g = grad * coef;  p *= 1 - lr*wd;  m = beta1*m + (1-beta1)*g;  v = beta2*v + (1-beta2)*g*g
