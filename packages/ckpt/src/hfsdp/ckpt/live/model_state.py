@@ -14,6 +14,7 @@ from torch import nn
 
 from hfsdp.ckpt.format.errors import CheckpointError
 from hfsdp.ckpt.format.index import MAIN, MODEL, OUTER_ANCHOR, OUTER_MAIN, OUTER_MOMENTUM, GroupSpec
+from hfsdp.ckpt.live import optim_state
 from hfsdp.ckpt.tensors.writer import dtype_name
 from hfsdp.core.buffers.main_params import piece_of
 from hfsdp.core.engine.sharding import Sharding, sharding_of
@@ -194,7 +195,7 @@ def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -
             start = group.optim_range[0] + piece.offset - group.param_range[0]
             out[MODEL, piece.name] = shard[start : start + piece.param.numel()]
             out[MAIN, piece.name] = piece.param.detach().view(-1)
-            state = optimizer.state.get(piece.param, {}) if optimizer is not None else {}
+            state = optim_state.param_state(optimizer, piece.param) if optimizer is not None else {}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and (kinds is None or key in kinds):
                     out[key, piece.name] = value.detach().view(-1)

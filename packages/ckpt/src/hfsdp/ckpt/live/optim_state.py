@@ -14,6 +14,16 @@ A state tensor of any other shape (Adafactor's row and column factors) belongs t
 a whole tensor, not to elements, so it cannot be cut at other boundaries; saving
 it is refused with that reason.
 
+Each kind keeps its dtype: `FusedAdamW`'s bf16, fp16 or fp8 moments are stored as
+they are (the index's `dtypes` and `hfsdp ckpt inspect` show them), an fp8 moment
+with its scales as one more kind, `<moment>_scale` (one uint8 per element, E8M0:
+2**(byte - 127), the same within each of the optimizer's scale blocks), so it is
+cut and resharded like the moment. A resume on the same layout gives the
+optimizer the same bits; on another layout each fp8 block is rebuilt from the
+exact values of the elements it now holds (dequantized, requantized with the new
+block's scale). An optimizer that does not take scaled state (torch's AdamW)
+gets fp8 moments dequantized, exactly, into fp32.
+
 The index's optimizer record is `{"type", "param_groups": [{"hyper", "params"}],
 "states", "scalars": {key: {"tensor", "values": {name: number}}}}`. On load,
 numeric hyper-parameters (lr, betas, eps, weight decay, ...) come from the
@@ -73,6 +83,13 @@ def optimizer_kind(optimizer) -> str:
     return getattr(type(optimizer), "state_format", type(optimizer).__name__)
 
 
+def param_state(optimizer, param) -> dict[str, Any]:
+    """`param`'s state as a checkpoint stores it: the optimizer's `checkpoint_state` where it has one (FusedAdamW adds
+    its fp8 moments' scales), else its `state` entry."""
+    own = getattr(optimizer, "checkpoint_state", None)
+    return own(param) if own is not None else optimizer.state.get(param, {})
+
+
 def local_report(model, optimizer) -> Report:
     """What this rank's optimizer holds, for the record: its groups, per-element kinds and per-parameter scalars."""
     groups = [{"hyper": _hyper(group), "names": []} for group in optimizer.param_groups]
@@ -81,7 +98,7 @@ def local_report(model, optimizer) -> Report:
         groups[index]["names"].append(piece.name)
         if not piece.holds:  # this rank holds no element of it: no state, nothing to report
             continue
-        state = optimizer.state.get(param, {})
+        state = param_state(optimizer, param)
         if not state:
             stateless.append(piece.name)
         for key, value in state.items():
@@ -168,6 +185,7 @@ def merge_reports(reports: list[Report | None]) -> dict[str, Any] | None:
 
 
 def state_dtypes(reports: list[Report | None]) -> dict[str, str]:
+    """The dtype of every per-element kind (the moments' own: fp32, bf16, fp16, fp8, and uint8 fp8 scales)."""
     return {k: v for r in reports if r is not None for k, v in r["kinds"].items()}
 
 
@@ -205,6 +223,8 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
     name). The state goes in through `Optimizer.load_state_dict`, so the optimizer
     puts each tensor on the device and in the dtype it wants (AdamW keeps `step`
     on the CPU unless fused or capturable), exactly as for its own state dicts.
+    fp8 moments with their `<moment>_scale` go to an optimizer that takes them
+    (`loads_scaled_state`) as they are; any other gets them dequantized into fp32.
     """
     for group, saved in zip(optimizer.param_groups, record["param_groups"], strict=True):
         for key, value in saved["hyper"].items():
@@ -223,6 +243,8 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
                 index += 1
                 continue
             entry = {kind: tensors[kind, piece.name].view(param.shape) for kind in record["states"]}
+            if not getattr(optimizer, "loads_scaled_state", False):
+                _dequantize(entry)
             for key, scalar in record["scalars"].items():
                 value = scalar["values"][piece.name]
                 entry[key] = torch.tensor(float(value), dtype=torch.float32) if scalar["tensor"] else value
@@ -232,6 +254,14 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _dequantize(entry: dict[str, Any]) -> None:
+    """Replace each fp8 moment that has a `<moment>_scale` (E8M0 per element) by its fp32 values (exact: an fp8
+    value times a power of two) and drop the scale."""
+    for key in [k for k in entry if f"{k}_scale" in entry]:
+        exponent = entry.pop(f"{key}_scale").to(torch.int32)
+        entry[key] = entry[key].float() * (exponent << 23).view(torch.float32)  # E8M0 byte b: 2**(b - 127)
 
 
 def _is_numeric(value: Any) -> bool:
