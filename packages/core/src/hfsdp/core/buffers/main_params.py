@@ -27,7 +27,7 @@ rank), instead of letting it compute something else.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,9 +80,13 @@ class MainParam:
     stop: int
     offset: int  # of the piece in the group's optimizer range
     param: nn.Parameter
-    #: Set by an optimizer that reads this piece's reduced gradient from the group's buffer in the reduce dtype
-    #: (`FusedAdamW`): with a non-fp32 reduction no fp32 copy is made as `.grad` before its step.
-    reads_reduced_grad: bool = False
+    #: A weak reference to the optimizer that reads this piece's reduced gradient from the group's buffer in the
+    #: reduce dtype (`FusedAdamW`): while it lives, a non-fp32 reduction makes no fp32 copy as `.grad` for its step.
+    grad_reader: Callable[[], object] | None = None
+
+    @property
+    def reads_reduced_grad(self) -> bool:
+        return self.grad_reader is not None and self.grad_reader() is not None
 
     @property
     def name(self) -> str:

@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -210,7 +211,7 @@ class FusedAdamW(torch.optim.AdamW):
         for options in self.param_groups:
             for param in options["params"]:
                 if (piece := piece_of(param)) is not None and self._direct_grads:
-                    piece.reads_reduced_grad = True  # the engine makes no fp32 copy of a bf16 gradient for it
+                    piece.grad_reader = weakref.ref(self)  # the engine makes no fp32 copy of a bf16 gradient
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -341,7 +342,7 @@ class FusedAdamW(torch.optim.AdamW):
         for options in self.param_groups:
             for param in options["params"]:
                 piece = piece_of(param)
-                if param.grad is None and not (piece is not None and _reads_buffer(piece)):
+                if param.grad is None and not (piece is not None and _reads_buffer(piece, self)):
                     continue
                 if param.grad is not None and param.grad.is_sparse:
                     raise RuntimeError("FusedAdamW does not support sparse gradients.")
@@ -485,10 +486,11 @@ def _scalars(options: dict, step: int) -> AdamWScalars:
     return AdamWScalars.of(lr, beta1, beta2, eps, decay, step)
 
 
-def _reads_buffer(piece: MainParam) -> bool:
-    """Whether `piece` is stepped from its group's reduced gradient, read in the reduce dtype (no `.grad` copy)."""
+def _reads_buffer(piece: MainParam, optimizer) -> bool:
+    """Whether `optimizer` steps `piece` from its group's reduced gradient in the reduce dtype (no `.grad` copy)."""
     grads = piece.group.grads
-    return piece.reads_reduced_grad and grads.reduce_dtype != torch.float32 and grads.holds and not piece.group.offload
+    mine = piece.grad_reader is not None and piece.grad_reader() is optimizer
+    return mine and grads.reduce_dtype != torch.float32 and grads.holds and not piece.group.offload
 
 
 def _runs(members, state, moments: _Moments, main_grad) -> list[_Run]:
