@@ -79,42 +79,6 @@ def _hidden_grads_refused(layout: str, rank: int, world: int) -> str:
     return "accepted"
 
 
-def _dcp(layout: str, habit: str, rank: int, world: int, tmp: str) -> str:
-    """torch.distributed.checkpoint as torchtitan uses it, or on `state_dict()`s taken directly: what each rank
-    got (every rank must fail alike, before anything is written, and none may hang)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model = _shard(make_toy(), layout)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(*microbatch(0, 0, 1, rank, world)).backward()
-    opt.step()
-    opt.zero_grad()
-    path = f"{tmp}/{layout}-{habit}".replace(" ", "_")
-    if habit == "torch.save of opt.state_dict()":  # the refusal's marks must not reach a pickle
-        import io
-
-        buffer = io.BytesIO()
-        torch.save(opt.state_dict(), buffer)
-        buffer.seek(0)
-        loaded = torch.load(buffer)  # weights_only: plain tensors only
-        opt.load_state_dict(loaded)
-        return "loaded" if loaded["state"] else "empty"
-    try:
-        if habit == "get_state_dict":
-            model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        else:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
-    except (Exception, CheckpointException) as err:
-        import os
-
-        written = os.path.exists(f"{path}/.metadata")
-        return f"{type(err).__name__}: {err}" + (" (metadata written)" if written else "")
-    return "accepted"
-
-
 def _meta_init(layout: str, rank: int, world: int) -> dict:
     """torchtitan's flow: build on the meta device, shard, `to_empty`, load the eager-built model's initial weights,
     train; and `to_empty` on a model sharded with real weights is refused."""
@@ -274,15 +238,10 @@ REFUSALS = {
 }
 
 
-DCP_HABITS = ("get_state_dict", "dcp.save of state_dict()s")
-PICKLE = "torch.save of opt.state_dict()"
-
-
-def _all(rank: int, world: int, tmp: str) -> dict:
+def _all(rank: int, world: int) -> dict:
     out = {}
     for layout in LAYOUTS:
         out[layout] = {
-            "dcp": {habit: _dcp(layout, habit, rank, world, tmp) for habit in (*DCP_HABITS, PICKLE)},
             "clipped": {s: _clipped(layout, s, rank, world) for s in CLIP_STYLES},
             "hidden grads": _hidden_grads_refused(layout, rank, world),
             "accumulate": {s: _accumulate_fsdp2_style(layout, s, rank, world) for s in ACCUMULATION_STYLES},
@@ -297,9 +256,9 @@ def _all(rank: int, world: int, tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def every_rank(tmp_path_factory):
+def every_rank():
     """Every rank's results of every case, both layouts in one spawned group of 6 ranks."""
-    return run_distributed(_all, 6, str(tmp_path_factory.mktemp("dcp")), timeout=300)
+    return run_distributed(_all, 6, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -338,22 +297,6 @@ def test_torch_and_torchtitan_clipping_imported_before_sharding_use_the_global_n
     case = runs[layout]["clipped"][style]
     torch.testing.assert_close(torch.tensor(case["norms"]), torch.tensor(norms), rtol=1e-5, atol=1e-6)
     _assert_weights(case["weights"], weights)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("habit", DCP_HABITS)
-def test_torch_distributed_checkpoint_is_refused_on_every_rank_before_anything_is_written(every_rank, layout, habit):
-    """torchtitan's `get_state_dict` + `dcp.save`, and `dcp.save` of the `state_dict()`s taken directly: every rank
-    fails at once with the message naming hfsdp.ckpt (no rank hangs, no checkpoint metadata is written)."""
-    for rank in every_rank:
-        message = rank[layout]["dcp"][habit]
-        assert "hfsdp.ckpt.save_checkpoint" in message and "metadata written" not in message, message
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_optimizer_state_dict_still_round_trips_through_torch_save(every_rank, layout):
-    """The marks that make DCP refuse stay out of pickles: `torch.load(weights_only=True)` reads the state back."""
-    assert all(rank[layout]["dcp"][PICKLE] == "loaded" for rank in every_rank)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 from hfsdp.core.buffers.mixed_precision import MixedPrecision
+from hfsdp.core.engine import sharded_state_dict as sharded
 from hfsdp.core.engine import torch_clip
+from hfsdp.core.engine.caller import called_from_dcp
 from hfsdp.core.engine.clip import clip_grad_norm_ as _clip
-from hfsdp.core.engine.dcp_guard import refuse_if_dcp
 from hfsdp.core.engine.mesh import HybridMeshes
 from hfsdp.core.engine.optimizer_hooks import install as install_optimizer_hooks
 from hfsdp.core.engine.sharding import ATTRIBUTE, Sharding, is_expert_param_default, sharding_of
@@ -111,25 +112,30 @@ class HFSDPModule(UnitCall):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The full state dict: on rank 0 every parameter whole, on the CPU, in the dtype it had when sharded; an
-        empty dict on the other ranks (collective: call it on every rank)."""
-        refuse_if_dcp()  # before any collective, on every rank alike (`dcp_guard.py`)
+        empty dict on the other ranks (collective: call it on every rank). Called by torch.distributed.checkpoint's
+        helpers (`get_state_dict`, `get_model_state_dict`), the sharded one FSDP2 gives them instead: each
+        parameter as this rank's piece (`sharded_state_dict.py`), no collective."""
         if args:
             raise TypeError("state_dict() takes its arguments by keyword (destination=, prefix=, keep_vars=)")
-        full = full_state_dict(sharding_of(self))
+        sharding = sharding_of(self)
+        values = sharded.sharded_state_dict(sharding) if called_from_dcp() else full_state_dict(sharding)
         out = {} if destination is None else destination
-        for key, value in full.items():
+        for key, value in values.items():
             out[prefix + key] = value
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
-        """Load a full state dict into the fp32 main weights (collective); every rank passes it, or rank 0 alone."""
-        refuse_if_dcp()
+        """Load a full state dict into the fp32 main weights (collective); every rank passes it, or rank 0 alone. A
+        sharded one (DTensors: what DCP's helpers and `dcp.load` give) is loaded as each rank's own."""
         if assign:
             raise ValueError(
                 "load_state_dict(assign=True) would replace the parameters of a sharded module, which live in "
                 "hfsdp's flat buffers; load with assign=False (the values are copied into the main weights)."
             )
-        return load_full_state_dict(sharding_of(self), dict(state_dict), strict)
+        sharding = sharding_of(self)
+        if sharded.is_sharded(state_dict):
+            return sharded.load(sharding, dict(state_dict), strict)
+        return load_full_state_dict(sharding, dict(state_dict), strict)
 
     def to_empty(self, *, device, recurse: bool = True):
         """torchtitan's meta-device flow: a model built on the meta device and sharded there gets real buffers on

@@ -30,7 +30,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hfsdp.core.buffers.main_params import MainParam, check_elementwise, piece_of
-from hfsdp.core.engine.dcp_guard import guard_optimizer
+from hfsdp.core.engine.optimizer_state import serve_state_dicts
 
 _bindings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _installed = False
@@ -52,7 +52,7 @@ class OptimizerBinding:
         self._prepared = False
         self._handles = []
         if self.models:
-            guard_optimizer(optimizer, lambda param: piece_of(param) is not None)
+            serve_state_dicts(optimizer)
             self._handles = [
                 optimizer.register_step_pre_hook(self._pre_hook),
                 optimizer.register_step_post_hook(self._post_hook),

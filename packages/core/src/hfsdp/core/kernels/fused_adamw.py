@@ -96,6 +96,7 @@ import torch
 
 from hfsdp.core.buffers.main_params import MainParam, piece_of
 from hfsdp.core.engine.clip import pieces_norm
+from hfsdp.core.engine.optimizer_state import local_state_dict
 from hfsdp.core.kernels.adamw_kernel import (
     SCALE_BLOCK,
     AdamWScalars,
@@ -225,9 +226,9 @@ class FusedAdamW(torch.optim.AdamW):
             if options.get("amsgrad") or options.get("maximize"):
                 raise ValueError("FusedAdamW implements plain AdamW: amsgrad and maximize are not supported.")
         self.wait()  # a step still in flight (step called twice with no forward between)
-        by_group, loose = self._members()
+        by_group, loose, empty = self._members()
         coef = self._clip_coefficient(by_group, loose)
-        stepped = []
+        stepped = [self._empty_state(piece)["step"] for piece in empty]
         for group, members in by_group.values():
             stepped.extend(self._step_group(group, members, coef))
         for options, param in loose:
@@ -235,6 +236,18 @@ class FusedAdamW(torch.optim.AdamW):
         if stepped:
             torch._foreach_add_(stepped, 1.0)
         return loss
+
+    def _empty_state(self, piece: MainParam) -> dict:
+        """The state of a piece with no element on this rank: empty moments and a step that counts with the others',
+        as torch's AdamW keeps (every rank then has the same state names and step counts, which DCP relies on:
+        it writes a step count once, from any rank)."""
+        entry = self.state[piece.param]
+        if not isinstance(entry.get("step"), torch.Tensor):
+            entry["step"] = torch.tensor(float(entry.get("step") or 0.0))
+        for key, dtype in zip(MOMENTS, self.dtypes, strict=True):
+            if entry.get(key) is None:
+                entry[key] = torch.zeros(piece.param.shape, dtype=dtype, device=piece.param.device)
+        return entry
 
     def wait(self) -> None:
         """Make the current stream wait for the last step's kernels on the optim stream (`overlap_next_forward`),
@@ -277,6 +290,7 @@ class FusedAdamW(torch.optim.AdamW):
         fp32 (torch's AdamW) or another dtype is rounded to nearest even, fp8 from other blocks (another layout)
         is dequantized exactly and requantized with this layout's blocks."""
         self.wait()
+        state_dict = local_state_dict(self, state_dict)  # DCP's and torch's sharded tensors as this rank's pieces
         held: dict = {}
         stripped = {}
         for index, entry in state_dict["state"].items():
@@ -335,10 +349,10 @@ class FusedAdamW(torch.optim.AdamW):
             entry[key] = flat.view(param.shape)
 
     def _members(self):
-        """The parameters with a gradient: hfsdp pieces by group (engine order: collectives follow it), and the
-        rest. Each piece comes with its parameter group's options."""
+        """The parameters with a gradient: hfsdp pieces by group (engine order: collectives follow it), the rest,
+        and the pieces with no element here. Each piece comes with its parameter group's options."""
         by_group: dict[int, tuple[object, list[tuple[dict, MainParam]]]] = {}
-        loose = []
+        loose, empty = [], []
         for options in self.param_groups:
             for param in options["params"]:
                 piece = piece_of(param)
@@ -350,8 +364,10 @@ class FusedAdamW(torch.optim.AdamW):
                     loose.append((options, param))
                 elif piece.holds:
                     by_group.setdefault(id(piece.group), (piece.group, []))[1].append((options, piece))
+                else:
+                    empty.append(piece)
         order = {id(g): i for i, g in enumerate(_engine_groups(by_group))}
-        return dict(sorted(by_group.items(), key=lambda kv: order[kv[0]])), loose
+        return dict(sorted(by_group.items(), key=lambda kv: order[kv[0]])), loose, empty
 
     def _clip_coefficient(self, by_group, loose) -> torch.Tensor | None:
         if self.max_grad_norm is None:
