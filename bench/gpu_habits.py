@@ -1,6 +1,7 @@
 """The FSDP2 habits of issue 36 on a GPU (one process, NCCL, CUDA side streams), each against the plain model trained
 the same way on the same GPU: the meta-device flow (`to_empty(device="cuda")`), frozen weights (fp32 and bf16
-compute), torch's clip imported before sharding, FSDP2's accumulation flags, and DCP refused without a hang.
+compute), torch's clip imported before sharding, FSDP2's accumulation flags, and a DCP resume (`dcp.save` and
+`dcp.async_save`) taking the next step bit for bit.
 
 Usage (repository root on the GPU machine): python3 bench/gpu_habits.py   (prints one line a check; exit 1 on a FAIL)
 """
@@ -121,16 +122,39 @@ def main() -> int:
     cos = torch.nn.functional.cosine_similarity(update, fp32, dim=0).item()
     check("frozen weights, bf16 compute: frozen unchanged, the fp32 update", unchanged and cos > 0.9, f"cos {cos:.4f}")
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import tempfile
 
-    opt = torch.optim.AdamW(bf16.parameters(), lr=LR)
-    try:
-        model_state, optim_state = get_state_dict(bf16, opt)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id="/tmp/dcp-habit")
-        check("DCP refused at once", False, "dcp.save accepted hfsdp state")
-    except Exception as failure:  # the refusal
-        check("DCP refused at once", "hfsdp.ckpt" in str(failure), str(failure)[:80])
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def one_step(model, opt, step):
+        x, y = (t.to(DEVICE) for t in global_batch(step))
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for save in ("dcp.save", "dcp.async_save"):
+        with tempfile.TemporaryDirectory() as path:
+            saved = shard(toy(), mp=MixedPrecision(param_dtype=torch.bfloat16))
+            opt = torch.optim.AdamW(saved.parameters(), lr=LR)
+            one_step(saved, opt, 0)
+            model_state, optim_state = get_state_dict(saved, opt)
+            state = {"model": model_state, "optim": optim_state}
+            if save == "dcp.save":
+                dcp.save(state, checkpoint_id=path)
+            else:
+                dcp.async_save(state, checkpoint_id=path).result()
+            one_step(saved, opt, 1)
+            resumed = shard(make_toy(seed=7).to(DEVICE), mp=MixedPrecision(param_dtype=torch.bfloat16))
+            resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=LR)
+            model_state, optim_state = get_state_dict(resumed, resumed_opt)
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            one_step(resumed, resumed_opt, 1)
+            want, got = weights(saved), weights(resumed)
+            same = all(torch.equal(want[k], got[k]) for k in want)
+            check(f"DCP ({save}) resume: the next step bit for bit", same, f"max rel {max_rel(got, want):.2e}")
 
     dist.destroy_process_group()
     failed = [name for name, ok, _ in results if not ok]
