@@ -77,10 +77,12 @@ def step_bytes(sharding, variant: set[str], microbatches: int, clip: bool, dp: i
     """Bytes hfsdp's kernels move in one step of `variant` ({"fused", "clip", "prestage"} or a subset; empty: torch's
     AdamW and hfsdp's clip), summed over groups, by kind of work."""
     fused, clip_inside, prestage = "fused" in variant, "clip" in variant, "prestage" in variant
+    moment = 1 + 2 / 128 if "fp8m" in variant else 2 if "bf16m" in variant else 4  # a scale byte per 128 (r and w)
     total: Counter = Counter()
     for group in sharding.groups:
         n_o, n_p, _, b_c, b_r = _sizes(group)
         total += _common(sharding, group, microbatches)
+        total["AdamW"] += (4 + 4 + b_r + 2 * 2 * moment - 28) * n_o  # weights r/w, gradient, two moments r/w
         sharded = list(group.plan.microbatch_reduce)
         for k, op in group.plan.final_reduce:  # as GradBuffer._final_reductions: out, then copied into the buffer
             if op != "all_reduce":

@@ -124,7 +124,9 @@ ENGINES = ("hfsdp", "fsdp2", "mfsdp", "mfsdp2", "plain", "model")
 #: AdamW, the clip inside its step, the next forward's gather input written by the step, the step overlapping the
 #: next forward, every unit's gathered parameters kept from its forward through its backward
 #: (`reshard_after_forward=False`).
-VARIANT_PARTS = ("fused", "clip", "prestage", "overlap", "keep")
+#: Megatron's precision-aware optimizer through FusedAdamW: `bf16m` bf16 moments, `fp8m` fp8 moments (e4m3 / e5m2, a
+#: scale per 128 elements), `bf16g` gradients reduced and read in bf16.
+VARIANT_PARTS = ("fused", "clip", "prestage", "overlap", "keep", "bf16m", "fp8m", "bf16g")
 SINGLE_DEVICE_ENGINES = ("plain", "model")  # unsharded, on rank 0 alone
 
 
@@ -289,6 +291,7 @@ def _is_variant(name: str) -> bool:
         and len(set(parts)) == len(parts)
         and all(x in VARIANT_PARTS for x in parts)
         and ("overlap" not in parts or "prestage" in parts)
+        and not {"bf16m", "fp8m"} <= set(parts)
     )
 
 
@@ -571,7 +574,8 @@ class HfsdpEngine(Engine):
         model = build_model(cfg, shape, device, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
         maybe_compile(args, model)
-        mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        grads = torch.bfloat16 if "bf16g" in (variant or "") else torch.float32
+        mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=grads)
         offload = args.offload or (args.offload_fraction if args.offload_fraction is not None else False)
         # Like FSDP2 below, given reshard_after_forward=True for the root too (as torchtitan does).
         keep = variant is not None and "+keep" in variant  # every unit's gather held through its backward
@@ -599,6 +603,8 @@ class HfsdpEngine(Engine):
         if "fused" in self.variant:
             from hfsdp.core import FusedAdamW
 
+            moments = "fp8" if "fp8m" in self.variant else "bf16" if "bf16m" in self.variant else "fp32"
+
             self.opt = FusedAdamW(
                 self.model.parameters(),
                 lr=args.lr,
@@ -606,6 +612,8 @@ class HfsdpEngine(Engine):
                 max_grad_norm=args.clip_grad if "clip" in self.variant and args.clip_grad else None,
                 prestage_gathers="prestage" in self.variant,
                 overlap_next_forward="overlap" in self.variant,
+                exp_avg_dtype=moments,
+                exp_avg_sq_dtype=moments,
             )
         else:
             self.opt = adamw(args, self.model.parameters())
