@@ -231,6 +231,7 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
             if key in group and _is_numeric(value):
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
     pieces = {id(p.param): p for p in model.main_params}
+    dtypes = {kind: tensor.dtype for (kind, _), tensor in tensors.items()}
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
@@ -238,14 +239,21 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
         ids = []
         for param in group["params"]:
             piece = pieces.get(id(param))
-            if piece is None or not piece.holds:  # frozen, or no element here: no state
+            if piece is None:  # frozen: no state
                 ids.append(index)
                 index += 1
                 continue
-            entry = {kind: tensors[kind, piece.name].view(param.shape) for kind in record["states"]}
+            if piece.holds:
+                entry = {kind: tensors[kind, piece.name].view(param.shape) for kind in record["states"]}
+            else:  # no element here: empty state and the step count, as the optimizer keeps for it (DCP needs them)
+                entry = {
+                    kind: torch.zeros(param.shape, dtype=dtypes.get(kind, torch.float32)) for kind in record["states"]
+                }
             if not getattr(optimizer, "loads_scaled_state", False):
                 _dequantize(entry)
             for key, scalar in record["scalars"].items():
+                if piece.name not in scalar["values"]:
+                    continue
                 value = scalar["values"][piece.name]
                 entry[key] = torch.tensor(float(value), dtype=torch.float32) if scalar["tensor"] else value
             if entry:

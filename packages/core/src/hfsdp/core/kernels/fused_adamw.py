@@ -332,6 +332,7 @@ class FusedAdamW(torch.optim.AdamW):
         entry = self.state[param]
         piece = piece_of(param)
         if piece is not None and not piece.holds:
+            self._empty_state(piece)
             return
         if piece is None:
             moments = self._loose_moments(param)
