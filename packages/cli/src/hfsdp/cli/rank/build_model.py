@@ -27,12 +27,19 @@ class BuiltModel:
 
 def build_model(cfg: TrainConfig, device: torch.device) -> BuiltModel:
     """Build, wrap and shard the run's model on `device` (collective: builds the meshes)."""
-    from hfsdp.core.buffers.mixed_precision import MixedPrecision
-
-    mp = MixedPrecision(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=torch.float32)
+    mp = mixed_precision(cfg)
     if cfg.model_config is not None:
         return _hugging_face(cfg, device, mp)
     return _megatron_gpt(cfg, device, mp)
+
+
+def mixed_precision(cfg: TrainConfig):
+    """The run's `MixedPrecision`: --dtype's compute dtype, and gradients reduced in fp32, or in bf16 with
+    --main-grads-dtype bf16 (Megatron's main_grads_dtype), which FusedAdamW then reads from the buffer as they are."""
+    from hfsdp.core.buffers.mixed_precision import MixedPrecision
+
+    reduce = torch.bfloat16 if cfg.main_grads_dtype == "bf16" else torch.float32
+    return MixedPrecision(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=reduce)
 
 
 def offload_of(cfg: TrainConfig) -> bool | float | str:

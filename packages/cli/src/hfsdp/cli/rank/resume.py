@@ -96,6 +96,8 @@ def resume(cfg: TrainConfig, model, opt, rank: int) -> Resumed:
     settings, notes = schedule_settings(cfg, None if fresh else extra.get(SCHEDULE_KEY))
     if fresh:
         notes.insert(0, "weights only: the optimizer starts fresh at step 0")
+    elif converted := moment_conversion(index.tensors, opt):
+        notes.append(converted)
     decay = [g for g in opt.param_groups if g.get("name") == "decay"]
     if not fresh and cfg.explicit("weight_decay") and decay and decay[0]["weight_decay"] != cfg.weight_decay:
         notes.append(f"weight decay {cfg.weight_decay:g} from {cfg.given['weight_decay'].spelled}, not the "
@@ -118,6 +120,32 @@ def resume(cfg: TrainConfig, model, opt, rank: int) -> Resumed:
         before = index.config().layout_name
         say(f"resumed from {ckpt_dir} ({before} -> {cfg.layout.layout_name})" + "".join(f"; {n}" for n in notes))
     return Resumed(start, consumed, settings, notes)
+
+
+def moment_conversion(tensors: dict, opt) -> str | None:
+    """What the resume line says when the checkpoint's AdamW moments are in other dtypes than `opt` keeps
+    (--exp-avg-dtype, --exp-avg-sq-dtype): FusedAdamW's `load_state_dict` (or torch's AdamW, into fp32) converted them
+    once, as they were loaded. None when they agree, or when there are no moments (SGD, weights only)."""
+    import torch
+
+    from hfsdp.core.kernels.optimizer_dtypes import megatron_name
+
+    held = getattr(opt, "dtypes", None)
+    if held is None:
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            return None
+        held = (torch.float32, torch.float32)  # torch's AdamW keeps its state in the parameters' fp32
+    changes = []
+    for key, dtype in zip(("exp_avg", "exp_avg_sq"), held, strict=True):
+        entries = tensors.get(key)
+        if not entries:
+            return None
+        saved = getattr(torch, next(iter(entries.values())).dtype)
+        if saved != dtype:
+            changes.append(f"{key} {megatron_name(saved)} -> {megatron_name(dtype)}")
+    if not changes:
+        return None
+    return f"optimizer state converted once into this run's dtypes ({', '.join(changes)})"
 
 
 def open_metrics(path: str, start: int):

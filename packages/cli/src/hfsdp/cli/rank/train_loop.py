@@ -232,16 +232,21 @@ def _optimizer(cfg: TrainConfig, groups, device: torch.device):
         from hfsdp.core import FusedAdamW
 
         return FusedAdamW(groups, lr=cfg.lr, max_grad_norm=cfg.clip_grad or None, prestage_gathers=True,
-                          overlap_next_forward=cfg.overlap_step)  # fmt: skip
+                          overlap_next_forward=cfg.overlap_step, exp_avg_dtype=cfg.exp_avg_dtype,
+                          exp_avg_sq_dtype=cfg.exp_avg_sq_dtype)  # fmt: skip
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
 
 
 def _fused_adamw(cfg: TrainConfig, device: torch.device) -> bool:
     """--adam-kernel auto: FusedAdamW where it is the faster, on a GPU with the state on it and one inner step per
     optimizer step. Offloaded state steps on the CPU, where torch's fused AdamW is faster than FusedAdamW's torch
-    path; DiLoCo's instances clip over their own ranks, which FusedAdamW's global-norm clip does not know."""
+    path; DiLoCo's instances clip over their own ranks, which FusedAdamW's global-norm clip does not know.
+    --use-precision-aware-optimizer is FusedAdamW wherever it runs (its torch path on the CPU and for offloaded
+    state): the rules refuse it with --adam-kernel torch, --optimizer sgd and DiLoCo."""
     if cfg.adam_kernel != "auto":
         return cfg.adam_kernel == "fused"
+    if cfg.use_precision_aware_optimizer:
+        return True
     return device.type == "cuda" and cfg.offload == "none" and cfg.diloco is None
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfsdp.cli.settings.setting import parse_step_range
-from hfsdp.cli.settings.settings import DILOCO_SETTINGS, GPT_SETTINGS
+from hfsdp.cli.settings.settings import DILOCO_SETTINGS, GPT_SETTINGS, PRECISION_DTYPES
 from hfsdp.models import sizes
 
 
@@ -302,6 +302,61 @@ def _overlap_step_needs_fused_adamw(v: dict[str, Any], said) -> str | None:
     return None
 
 
+def _precision_needs_the_flag(name: str) -> Rule:
+    """Megatron's rule: without use_precision_aware_optimizer every precision dtype is fp32 (main_params_dtype's only
+    other value, fp16, is refused by a rule of its own, with or without it). One rule per dtype, each on its own."""
+
+    def check(v: dict[str, Any], said) -> str | None:
+        if v["use_precision_aware_optimizer"] or v[name] == "fp32":
+            return None
+        flag = said.name("use_precision_aware_optimizer")
+        turn_on = f"{flag}: true" if "." in flag else flag
+        return (
+            f"{said(name)} needs the precision-aware optimizer, which is off ({said('use_precision_aware_optimizer')}"
+            f"); as in Megatron, a dtype other than fp32 applies only with it: add {turn_on}, or set "
+            f"{said.name(name)} to fp32."
+        )
+
+    return Rule((name, "use_precision_aware_optimizer"), check)
+
+
+def _main_params_fp16(v: dict[str, Any], said) -> str | None:
+    if v["main_params_dtype"] == "fp16":
+        return (
+            f"{said('main_params_dtype')} is not implemented: hfsdp keeps exact fp32 main weights (the optimizer "
+            "steps them; with bf16 compute the forward reads a bf16 copy), and fp16 masters would need loss scaling, "
+            f"which it does not do; set {said.name('main_params_dtype')} to fp32 (the default): fp32 masters are used."
+        )
+    return None
+
+
+def _precision_aware_optimizer_is_fused_adamw(v: dict[str, Any], said) -> str | None:
+    """The precision-aware optimizer is hfsdp's FusedAdamW: Adam (Megatron's rule), on the ranks' pieces, clipping
+    by the norm over every rank."""
+    if not v["use_precision_aware_optimizer"]:
+        return None
+    flag, kernel = said("use_precision_aware_optimizer"), said.name("adam_kernel")
+    fused = f"{kernel}: fused" if "." in kernel else f"{kernel} fused"
+    if v["optimizer"] != "adam":
+        optimizer = said.name("optimizer")
+        adam = f"{optimizer}: adam" if "." in optimizer else f"{optimizer} adam"
+        return (
+            f"{flag} keeps AdamW's state in lower precision, but {said('optimizer')} has no such state (Megatron "
+            f"supports it only with adam); use {adam} (its AdamW is hfsdp's FusedAdamW, {fused} or auto), or drop it."
+        )
+    if v["adam_kernel"] == "torch":
+        return (
+            f"{flag} is hfsdp's FusedAdamW keeping its moments and reading its gradients in the dtypes asked, but "
+            f"{said('adam_kernel')} is torch's AdamW, which keeps fp32 state; use {fused} (or auto), or drop it."
+        )
+    if v["outer"] == "diloco":
+        return (
+            f"{flag} needs hfsdp's FusedAdamW, which clips by the norm over every rank, but with {said('outer')} each "
+            "instance clips its own gradients with torch's AdamW; drop it, or train without DiLoCo."
+        )
+    return None
+
+
 def _profile_steps_within_run(v: dict[str, Any], said) -> str | None:
     if v["profile_dir"] is None:
         if said.explicit("profile_steps"):
@@ -349,6 +404,12 @@ RULES: tuple[Rule, ...] = (
     Rule(("sgd_momentum", "optimizer"), _sgd_momentum_needs_sgd),
     Rule(("adam_kernel", "optimizer", "outer"), _adam_kernel_of_adam),
     Rule(("overlap_step", "optimizer", "adam_kernel", "outer", "offload", "dtype"), _overlap_step_needs_fused_adamw),
+    *(_precision_needs_the_flag(name) for name in PRECISION_DTYPES if name != "main_params_dtype"),
+    Rule(("main_params_dtype",), _main_params_fp16),
+    Rule(
+        ("use_precision_aware_optimizer", "optimizer", "adam_kernel", "outer"),
+        _precision_aware_optimizer_is_fused_adamw,
+    ),
     Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("profile_steps", "profile_dir", "steps"), _profile_steps_within_run),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),

@@ -44,6 +44,14 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 OFFLOADS = ("none", "optim")
 ADAM_KERNELS = ("auto", "fused", "torch")  # hfsdp's FusedAdamW, or torch's fused AdamW
 OPTIMIZERS = ("adam", "sgd")  # Megatron's --optimizer: adam is AdamW (decoupled weight decay), as in Megatron
+#: Megatron's precision-aware optimizer (`--use-precision-aware-optimizer`): the dtypes each of its settings may take,
+#: by Megatron's names. The moments' are core's `optimizer_dtypes.STATE_DTYPE_NAMES` (fp8: e4m3 for exp_avg, e5m2 for
+#: exp_avg_sq, a scale per 128-element block); kept here as text so that nothing here imports torch.
+MAIN_GRADS_DTYPES = ("fp32", "bf16")
+MAIN_PARAMS_DTYPES = ("fp32", "fp16")
+MOMENT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+#: The precision settings, each fp32 by default and non-fp32 only with use_precision_aware_optimizer (Megatron's rule).
+PRECISION_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 #: DiLoCo's settings (`--outer diloco`), by TrainConfig name (the flag's) -> DiLoCoConfig field.
 DILOCO_SETTINGS = {flag[2:].replace("-", "_"): field for field, (_, flag) in CONFIG_KEYS.items()}
 #: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
@@ -257,6 +265,56 @@ SETTINGS: tuple[Setting, ...] = (
         "its step; auto: fused on a GPU without offload or DiLoCo).",
         one_of(*ADAM_KERNELS),
         key="train.adam_kernel",
+    ),
+    Setting(
+        "use_precision_aware_optimizer",
+        "--use-precision-aware-optimizer",
+        False,
+        bool,
+        "Megatron's: FusedAdamW keeps gradients and moments in the dtypes below (all fp32 without it).",
+        boolean,
+        key="train.use_precision_aware_optimizer",
+        panel="Optimizer precision",
+    ),
+    Setting(
+        "main_grads_dtype",
+        "--main-grads-dtype",
+        "fp32",
+        str,
+        f"Gradients reduced and kept in: {', '.join(MAIN_GRADS_DTYPES)} (bf16: MixedPrecision reduce_dtype).",
+        one_of(*MAIN_GRADS_DTYPES),
+        key="train.main_grads_dtype",
+        panel="Optimizer precision",
+    ),
+    Setting(
+        "main_params_dtype",
+        "--main-params-dtype",
+        "fp32",
+        str,
+        f"Main weights: {', '.join(MAIN_PARAMS_DTYPES)} (fp16: not implemented, fp32 masters are kept).",
+        one_of(*MAIN_PARAMS_DTYPES),
+        key="train.main_params_dtype",
+        panel="Optimizer precision",
+    ),
+    Setting(
+        "exp_avg_dtype",
+        "--exp-avg-dtype",
+        "fp32",
+        str,
+        f"AdamW's first moment: {', '.join(MOMENT_DTYPES)} (fp8: e4m3, a scale per 128 elements).",
+        one_of(*MOMENT_DTYPES),
+        key="train.exp_avg_dtype",
+        panel="Optimizer precision",
+    ),
+    Setting(
+        "exp_avg_sq_dtype",
+        "--exp-avg-sq-dtype",
+        "fp32",
+        str,
+        f"AdamW's second moment: {', '.join(MOMENT_DTYPES)} (fp8: e5m2, a scale per 128 elements).",
+        one_of(*MOMENT_DTYPES),
+        key="train.exp_avg_sq_dtype",
+        panel="Optimizer precision",
     ),
     Setting(
         "overlap_step",
