@@ -81,7 +81,7 @@ def evaluate(
     groups = groups_for(shape, cfg)
     acts = activations(shape, run.seq, run.micro_batch, run.compute_bytes, run.recompute)
     mem = memory(shape, groups, acts, run)
-    sent = step_bytes(groups, run.microbatches, run.compute_bytes, 4, run.root_resharded)
+    sent = step_bytes(groups, run.microbatches, run.compute_bytes, run.reduce_bytes, run.root_resharded)
     links = {}
     for g, _ in kinds(groups):
         for k, axis in enumerate(g.layout.axes):

@@ -1,15 +1,17 @@
 """Per-rank memory at the step's peak, split into parameters, gradients, optimizer state, communication
 buffers and activations, from the engine's own buffers (`FlatParamGroup`) group by group.
 
-What each group holds on the device (c = bytes of the compute dtype, gradients reduced in fp32):
+What each group holds on the device (c = bytes of the compute dtype, b_g of the reduce dtype: 4, or 2 with
+Megatron's `main_grads_dtype` bf16; b_m, b_v of AdamW's moments, `moment_bytes`):
 
 - parameters: the compute-dtype shard (`param_len · c`) where one is kept: with fp32 compute
   (it then holds the main weights), with `offload`, or where parameters are sharded less than
   the optimizer (s_p ≠ s_o); elsewhere every gather casts the main weights instead;
 - optimizer state: the fp32 main weights of the optimizer piece where they are a buffer of
-  their own (`optim_len · 4`), and AdamW's two moments for its real elements (`8 · optim_real`);
-  with `offload` all of it is in host memory, with a host copy of the reduced gradient;
-- gradients: the buffer kept between microbatches (`grad_len · 4`), alive from a step's first
+  their own (`optim_len · 4`), and AdamW's two moments for its real elements (`(b_m + b_v) · optim_real`:
+  4 bytes each in fp32, 2 in bf16 or fp16, 1 in fp8 plus FusedAdamW's fp32 scale per block of 128, 4·⌈n/128⌉);
+  with `offload` all of it is in host memory, with a host copy of the reduced gradient (fp32 whatever b_g);
+- gradients: the buffer kept between microbatches (`grad_len · b_g`), alive from a step's first
   backward to the optimizer step;
 - communication buffers: parameters gathered (or cast) for compute (`padded · c` per unit while
   it runs, the next one prefetched) and the flat gradient a reduce-scatter reads.
@@ -30,7 +32,21 @@ from hfsdp.planning.groups import Group, kinds
 from hfsdp.planning.model_shape import ModelShape
 
 LOSS, BACKWARD, OPTIMIZER = "loss", "backward", "optimizer step"
-REDUCE_BYTES = 4  # gradients are reduced in fp32 (hfsdp train and the bench)
+REDUCE_BYTES = 4  # gradients are reduced in fp32 by default (hfsdp train and the bench); bf16 with main_grads_dtype
+#: Bytes per element of an AdamW moment, by Megatron's name (`--exp-avg-dtype`, `--exp-avg-sq-dtype`).
+MOMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+#: FusedAdamW's fp8 moments keep one fp32 scale per block of this many elements of each piece (`fused_adamw`).
+SCALE_BLOCK = 128
+SCALE_BYTES = 4
+
+
+def moment_bytes(dtype: str, elements: int) -> int:
+    """Bytes of one AdamW moment over `elements` in `dtype` (Megatron's name): fp8 adds its fp32 block scales.
+
+    The engine cuts blocks per parameter piece (a block never spans two), so a piece's last short block adds at
+    most 4 bytes per parameter of a group beyond this count."""
+    scales = SCALE_BYTES * -(-elements // SCALE_BLOCK) if dtype == "fp8" else 0
+    return MOMENT_BYTES[dtype] * elements + scales
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,8 @@ class Settings:
     recompute: bool = False
     offload: bool = False
     root_resharded: bool = False  # the root frees its parameters after forward (hfsdp train: Hugging Face models)
+    reduce_bytes: int = REDUCE_BYTES  # the gradients' reduce dtype: 4 (fp32) or 2 (main_grads_dtype bf16)
+    moment_dtypes: tuple[str, str] = ("fp32", "fp32")  # exp_avg's and exp_avg_sq's dtypes, by Megatron's names
 
 
 @dataclass(frozen=True)
@@ -92,9 +110,9 @@ def memory(shape: ModelShape, groups: list[Group], acts: Activations, run: Setti
     params = sum(n * g.param_len * c for g, n in counted if keeps_shard(g, c, offload))
     optim_len = sum(n * g.optim_len for g, n in counted)
     main = 0 if c == 4 and not offload else 4 * optim_len
-    moments = sum(n * 8 * g.optim_real for g, n in counted)
+    moments = sum(n * sum(moment_bytes(d, g.optim_real) for d in run.moment_dtypes) for g, n in counted)
     optimizer, host = (0, main + moments + 4 * optim_len) if offload else (main + moments, 0)
-    grads = sum(n * g.grad_len * REDUCE_BYTES for g, n in counted)
+    grads = sum(n * g.grad_len * run.reduce_bytes for g, n in counted)
     earlier_grads = grads if run.microbatches > 1 else 0
 
     def unsharded(unit: int) -> int:
@@ -106,7 +124,7 @@ def memory(shape: ModelShape, groups: list[Group], acts: Activations, run: Setti
         params, earlier_grads, optimizer, unsharded(root) if root_held else 0, acts.at_loss(shape.layers), host, LOSS
     )
     layer_groups = [g for g in groups if g.unit == last]
-    flat = sum(g.padded * REDUCE_BYTES for g in layer_groups if g.plan.microbatch_reduce)
+    flat = sum(g.padded * run.reduce_bytes for g in layer_groups if g.plan.microbatch_reduce)
     layer_grads = sum(g.numel * c for g in layer_groups)
     gathered = unsharded(root) + unsharded(last) + (unsharded(last - 1) if last > 0 else 0)
     root_grads = earlier_grads or shape.root.active_matmul * c  # the output layer's weight gradient, until the end

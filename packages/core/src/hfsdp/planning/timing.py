@@ -4,7 +4,8 @@ Compute: a layer's forward is 2 FLOPs per active weight per token plus attention
 4·s·(query width) per token; backward twice that, recomputation one forward more; the root's
 forward is the output layer. Time = FLOPs / (peak x `mfu`), where `mfu` is the efficiency of
 the model's forward and backward measured on one GPU. The optimizer step streams 28 bytes per
-element of the rank's piece (fused AdamW) at the rate measured on an H200; offloaded, it runs
+element of the rank's piece (fused AdamW, fp32 state and gradients; fewer with the precision-aware
+optimizer's dtypes, `adamw_bytes_per_element`) at the rate measured on an H200; offloaded, it runs
 on the host at the per-element rate measured there.
 
 Overlap (docs/design.md, "CUDA streams"), simulated stream by stream: gathers run on a gather
@@ -25,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from hfsdp.planning.cluster import Cluster
 from hfsdp.planning.groups import Group
-from hfsdp.planning.memory import Settings
+from hfsdp.planning.memory import SCALE_BLOCK, Settings, moment_bytes
 from hfsdp.planning.model_shape import ModelShape
 from hfsdp.planning.traffic import (
     Collective,
@@ -42,6 +43,13 @@ ADAMW_BYTES_PER_S = 805_306_368 * ADAMW_BYTES_PER_ELEMENT / 7.18e-3
 #: With the optimizer in host memory, the step cost 0.350 s more for 953.2M elements (0.491 s against 0.141 s on one
 #: H200, docs/benchmarks.md): the host AdamW and the copies to and from the host.
 HOST_OPTIMIZER_S_PER_ELEMENT = 0.350 / 953_223_168
+
+
+def adamw_bytes_per_element(run: Settings) -> float:
+    """Bytes the fused step streams per element: the fp32 main weight read and written, the gradient read in its
+    reduce dtype, each moment read and written in its dtype (fp8 with its block scale): 28 with fp32 state."""
+    moments = sum(2 * moment_bytes(d, SCALE_BLOCK) / SCALE_BLOCK for d in run.moment_dtypes)
+    return 8 + run.reduce_bytes + moments
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,8 @@ def step_time(
                 timed([col for i, g in members for col in make(g, i)])
                 for make in (
                     lambda g, i: parameter_gather(g, i, "gather", c),
-                    lambda g, i: microbatch_reduction(g, i, 4),
-                    lambda g, i: final_reductions(g, i, 4),
+                    lambda g, i: microbatch_reduction(g, i, run.reduce_bytes),
+                    lambda g, i: final_reductions(g, i, run.reduce_bytes),
                     lambda g, i: post_step_gather(g, i, c),
                 )
             )
@@ -181,6 +189,6 @@ def step_time(
     if run.offload:
         optimizer = elements * HOST_OPTIMIZER_S_PER_ELEMENT
     else:
-        optimizer = elements * ADAMW_BYTES_PER_ELEMENT / ADAMW_BYTES_PER_S
+        optimizer = elements * adamw_bytes_per_element(run) / ADAMW_BYTES_PER_S
     compute = run.microbatches * (sum(forward) + sum(backward))
     return StepTime(compute, optimizer, comm, t + optimizer)

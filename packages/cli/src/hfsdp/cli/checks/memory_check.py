@@ -5,7 +5,8 @@ needs, split as `hfsdp plan` splits it. Then the check: a run whose estimate exc
 rank has (the GPU's memory when training on CUDA; on the CPU, the host's available memory
 shared by the local ranks) is refused with one paragraph saying what it would need and which
 layouts of the same ranks would fit. So is a run whose offloaded optimizer state (16 bytes per
-offloaded element, on every local rank) exceeds the host's available memory: found out at
+offloaded element with fp32 moments, fewer with the precision-aware optimizer's: `host_bytes_per_element`, on
+every local rank) exceeds the host's available memory: found out at
 fully_shard instead, it would end with the OOM killer after minutes of setup. The estimate counts
 the model (its states, buffers and activations), not the framework's own memory (CUDA context,
 imported libraries).
@@ -21,7 +22,7 @@ from hfsdp.planning.activations import activations
 from hfsdp.planning.candidates import layout_name, plan_layouts
 from hfsdp.planning.cluster import Cluster
 from hfsdp.planning.groups import groups_for
-from hfsdp.planning.memory import Memory, memory
+from hfsdp.planning.memory import SCALE_BLOCK, Memory, memory, moment_bytes
 from hfsdp.planning.model_shape import ModelShape, billions
 
 GIB = 2**30
@@ -115,6 +116,14 @@ def offloaded_share(cfg: TrainConfig, shape: ModelShape, gpu: int | None = None)
     return fraction_for(shape.params, kept, offloaded, gpu * (1 - RESERVE_FRACTION))
 
 
+def host_bytes_per_element(cfg: TrainConfig) -> float:
+    """Host bytes per offloaded element: the fp32 main weight, AdamW's two moments in their dtypes (fp8 with its
+    block scale), and the gradient staged in fp32 for the CPU step: 16 with fp32 moments, 12 with bf16, 10.0625
+    with fp8."""
+    moments = sum(moment_bytes(d, SCALE_BLOCK) / SCALE_BLOCK for d in (cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype))
+    return 4 + moments + 4
+
+
 def check_host(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: int) -> Problem | None:
     """With --offload optim: the refusal when the local ranks' offloaded state exceeds the host's available memory
     (on the CPU the rest of a rank's state lives there too), else None."""
@@ -130,8 +139,9 @@ def check_host(cfg: TrainConfig, mem: Memory, shape: ModelShape, local_ranks: in
     return Problem(
         "memory",
         f"--offload optim keeps {share:.0%} of the optimizer state in host memory ({asked}): {on_host / GIB:.1f} GiB "
-        "per rank (16 bytes per offloaded element: the fp32 main weights, AdamW's two moments and the gradient "
-        f"staged for the CPU step){'' if gpu is not None else ' beside the rest of its state'}, "
+        f"per rank ({host_bytes_per_element(cfg):g} bytes per offloaded element: the fp32 main weights, AdamW's two "
+        f"moments and the gradient staged for the CPU step){'' if gpu is not None else ' beside the rest of its state'}"
+        ", "
         f"{local_ranks * per_rank / GIB:.1f} GiB for the {local_ranks} ranks on this host, which has "
         f"{available / GIB:.1f} GiB available; offload a smaller share (--offload-fraction), run fewer ranks per "
         "host, or shard the optimizer over more ranks.",

@@ -40,8 +40,9 @@ def model_shape(cfg: TrainConfig) -> ModelShape:
 
 
 def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
-    """The step `hfsdp train` runs: its microbatches, dtype, recompute and offload; the root of a Hugging Face model
-    frees its parameters after forward (`build_model`), the GPT's keeps them."""
+    """The step `hfsdp train` runs: its microbatches, dtype, recompute and offload, and the precision-aware optimizer's
+    gradient and moment dtypes; the root of a Hugging Face model frees its parameters after forward (`build_model`),
+    the GPT's keeps them."""
     return Settings(
         seq=cfg.seq_len,
         micro_batch=cfg.layout.micro_batch_size,
@@ -50,6 +51,8 @@ def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
         recompute=cfg.recompute,
         offload=cfg.offload == "optim",
         root_resharded=shape.family != MEGATRON_GPT,
+        reduce_bytes=2 if cfg.main_grads_dtype == "bf16" else 4,
+        moment_dtypes=(cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype),
     )
 
 
