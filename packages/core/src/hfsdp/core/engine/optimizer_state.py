@@ -33,10 +33,14 @@ from hfsdp.core.engine.sharded_state_dict import check_supported, piece_tensor
 
 
 def _per_element(value, piece: MainParam) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.param.shape
+    plain = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+    return plain and value.dim() > 0 and value.shape == piece.param.shape
 
 
-def _state_dict_post_hook(optimizer, state_dict):
+def as_pieces(optimizer, state_dict):
+    """`state_dict` (the optimizer's, packed by torch) with each per-element state of a piece as a `PieceTensor`
+    (the state dict post-hook; an optimizer that adds per-element entries after torch's packing, as FusedAdamW adds
+    fp8 scales, calls it again: what is a DTensor already stays)."""
     if called_from_dcp(function="_load_optim_state_dict"):
         return state_dict  # torch's full-state-dict load: its targets are plain, so it hands over whole tensors
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -84,8 +88,8 @@ def serve_state_dicts(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, "_hfsdp_state_hooks", False):
         return
     optimizer._hfsdp_state_hooks = True
-    optimizer.register_state_dict_post_hook(_state_dict_post_hook)
+    optimizer.register_state_dict_post_hook(as_pieces)
     optimizer.register_load_state_dict_pre_hook(local_state_dict)
 
 
-__all__ = ["PieceTensor", "local_state_dict", "serve_state_dicts"]
+__all__ = ["PieceTensor", "as_pieces", "local_state_dict", "serve_state_dicts"]

@@ -96,7 +96,7 @@ import torch
 
 from hfsdp.core.buffers.main_params import MainParam, piece_of
 from hfsdp.core.engine.clip import pieces_norm
-from hfsdp.core.engine.optimizer_state import local_state_dict
+from hfsdp.core.engine.optimizer_state import as_pieces, local_state_dict
 from hfsdp.core.kernels.adamw_kernel import (
     SCALE_BLOCK,
     AdamWScalars,
@@ -274,7 +274,7 @@ class FusedAdamW(torch.optim.AdamW):
             if index in packed["state"]:
                 packed["state"][index] = dict(packed["state"][index])
                 packed["state"][index].update(self._scale_entries(param, packed["state"][index]))
-        return packed
+        return as_pieces(self, packed) if getattr(self, "_hfsdp_state_hooks", False) else packed
 
     def checkpoint_state(self, param: torch.Tensor) -> dict:
         """`param`'s state as `state_dict` gives it (hfsdp's checkpoints save this)."""
@@ -308,7 +308,11 @@ class FusedAdamW(torch.optim.AdamW):
     def _scale_entries(self, param: torch.Tensor, entry: dict) -> dict:
         """`<moment>_scale` of each fp8 moment of `param` (uint8 E8M0 per element, shaped like it)."""
         out = {}
+        piece = piece_of(param)
         for index, key in enumerate(MOMENTS):
+            if piece is not None and not piece.holds and is_fp8(self.dtypes[index]) and key in entry:
+                out[SCALE_KEYS[key]] = torch.zeros(param.shape, dtype=torch.uint8, device=param.device)  # no element
+                continue
             scale = self._scale_of(param, index)
             if scale is None or key not in entry:
                 continue
