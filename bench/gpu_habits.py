@@ -75,7 +75,8 @@ def main() -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
+    # A CPU backend beside NCCL: DCP's async_save coordinates on it (torch refuses async_save without one).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
     if DEVICE == "cuda":
         torch.cuda.set_device(0)
 
