@@ -147,6 +147,14 @@ class PieceTensor(DTensor):
 
     # -- copies keep the piece; nothing else is computed on it ----------------------------------
 
+    def to(self, *args, **kwargs) -> PieceTensor:
+        """The piece moved or cast (DCP's staging for `async_save` calls `.to("cpu")`); kept a `PieceTensor` here,
+        before any dispatch, so no torch build's DTensor fast path can turn it into a plain DTensor."""
+        return self._rewrap(self._local_tensor.to(*args, **kwargs))
+
+    def cpu(self, *args, **kwargs) -> PieceTensor:
+        return self._rewrap(self._local_tensor.cpu(*args, **kwargs))
+
     def data_ptr(self) -> int:
         """0, as for any DTensor: the wrapper has no storage of its own (torch would report the local view's offset,
         and DCP's async staging would then copy a storage that is not there)."""
