@@ -148,12 +148,18 @@ class PieceTensor(DTensor):
     # -- copies keep the piece; nothing else is computed on it ----------------------------------
 
     def to(self, *args, **kwargs) -> PieceTensor:
-        """The piece moved or cast (DCP's staging for `async_save` calls `.to("cpu")`); kept a `PieceTensor` here,
-        before any dispatch, so no torch build's DTensor fast path can turn it into a plain DTensor."""
+        """The piece moved or cast, kept a `PieceTensor` here, before any dispatch: DCP's staging for `async_save`
+        calls `.to("cpu")` and `.new_empty(..., device="cpu")`, and torch 2.11's DTensor fast path turns a GPU
+        subclass into a plain DTensor there (measured on an H200), whose chunks DCP would then take from the
+        placements."""
         return self._rewrap(self._local_tensor.to(*args, **kwargs))
 
     def cpu(self, *args, **kwargs) -> PieceTensor:
         return self._rewrap(self._local_tensor.cpu(*args, **kwargs))
+
+    def new_empty(self, *size, **kwargs) -> PieceTensor:
+        """An empty piece like this one (DCP's staging asks with the whole shape, or none, then fills it in)."""
+        return self._rewrap(self._local_tensor.new_empty(self._local_tensor.shape, **kwargs))
 
     def data_ptr(self) -> int:
         """0, as for any DTensor: the wrapper has no storage of its own (torch would report the local view's offset,
