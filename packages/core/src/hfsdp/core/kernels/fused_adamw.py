@@ -55,14 +55,15 @@ computes the same operations in the same order, so CPU tests check the GPU's ari
   tensor; 128 is where the error stops improving, and is a power of two the kernel tiles by.
 
 Bytes moved per element per step (fp32 weights read and written, gradient read, each moment read and written,
-plus 2 for the bf16 compute weights the step writes; fp8 adds its scales, 8 bytes per 128 elements per moment,
-and the block table, 8 bytes per 128 elements):
+plus 2 for the bf16 compute weights the step writes; fp8 adds its scales, 8 bytes per 128 elements per fp8 moment,
+and the block table, about 8 bytes per 128 elements):
 
     exp_avg / exp_avg_sq   fp32 gradient   bf16 gradient
     fp32 / fp32            30              28
     bf16 / bf16            22              20
     fp16 / fp16            22              20
-    bf16 / fp8             20.19           18.19
+    bf16 / fp8             20.125          18.125
+    fp8 / bf16             20.125          18.125
     fp8 / fp8              18.19           16.19
 
 State dicts hold each moment in its dtype; an fp8 moment adds `<moment>_scale` (uint8 per element, E8M0: its block's
