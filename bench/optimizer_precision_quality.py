@@ -73,6 +73,7 @@ TRAIN_EVERY = 50  # the train loss of every this many steps is recorded
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--report", nargs="+", metavar="JSONL", help="print the table of these result files and exit")
+    p.add_argument("--decay-probe", action="store_true", help="print how each moment dtype tracks a drop of E[g^2]")
     p.add_argument("--settings", nargs="+", default=[s.name for s in SETTINGS], choices=list(BY_NAME))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1000)
@@ -268,6 +269,8 @@ def summary(records: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         schedule = r["schedule"] + (f", {r['microbatches']} microbatches" if r.get("microbatches", 1) > 1 else "")
+        schedule += f", beta2 {r['betas'][1]}" if r["betas"][1] != 0.999 else ""
+        schedule += f", lr {r['lr']:g}" if r["lr"] != 2e-3 else ""
         groups.setdefault((schedule, r["setting"]), []).append(r)
     order = {s.name: i for i, s in enumerate(SETTINGS)}
     rows = []
@@ -305,21 +308,66 @@ def summary(records: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| schedule | setting | eval loss per seed | mean ± std | min - max | mean - fp32 | within fp32's range |",
-        "|---|---|---|---|---|---:|---|",
+        "| schedule | setting | eval loss per seed | mean ± std | min - max | mean - fp32 | minus fp32, seed by seed "
+        "| within fp32's range | low-lr phase gain |",
+        "|---|---|---|---|---|---:|---|---|---:|",
     ]
     for r in rows:
+        reference = r["setting"] == REFERENCE or r["vs_fp32"] is None
         within = "—" if r["setting"] == REFERENCE else {True: "yes", False: "**no**", None: "?"}[r["within_fp32_range"]]
-        vs = "—" if r["setting"] == REFERENCE or r["vs_fp32"] is None else f"{r['vs_fp32']:+.4f}"
+        vs = "—" if reference else f"{r['vs_fp32']:+.4f}"
+        paired = "—" if reference else ", ".join(f"{d:+.4f}" for d in r["paired_diffs"])
+        gain = f"{r['low_phase_gain']:.4f}" if "low_phase_gain" in r else ""
         lines.append(
             f"| {r['schedule']} | {r['setting']} | {', '.join(f'{x:.4f}' for x in r['eval_losses'])} "
-            f"| {r['mean']:.4f} ± {r['std']:.4f} | {r['min']:.4f} - {r['max']:.4f} | {vs} | {within} |"
+            f"| {r['mean']:.4f} ± {r['std']:.4f} | {r['min']:.4f} - {r['max']:.4f} | {vs} | {paired} | {within} "
+            f"| {gain} |"
         )
     return "\n".join(lines)
 
 
+def decay_probe(numel: int = 4096, steps: int = 2000, drop: int = 200, marks=(200, 400, 1000, 2000)) -> dict:
+    """FusedAdamW (torch path) on one tensor of Gaussian gradients, std 1 up to step `drop` and 0.1 after: the
+    bias-corrected mean of `exp_avg_sq` (dequantized from the state dict) at `marks`, per beta2 and moment dtype.
+    fp32 follows E[g^2] (1, then 0.01) at the pace beta2 sets; a stored moment that cannot hold the step's change
+    (round to nearest: (1 - beta2) * v below half a unit in the last place) stops decaying."""
+    out = {}
+    for beta2 in (0.999, 0.95):
+        for dtype in ("fp32", "bf16", "fp8"):
+            param = torch.nn.Parameter(torch.zeros(numel))
+            opt = torch_fused_adamw(param, beta2, dtype)
+            gen = torch.Generator().manual_seed(1)
+            seen = {}
+            for step in range(1, steps + 1):
+                param.grad = torch.randn(numel, generator=gen) * (1.0 if step <= drop else 0.1)
+                opt.step()
+                if step in marks:
+                    state = opt.state_dict()["state"][0]
+                    v = state["exp_avg_sq"].float()
+                    if "exp_avg_sq_scale" in state:  # fp8: E8M0 scale per element
+                        v = v * torch.exp2(state["exp_avg_sq_scale"].float() - 127)
+                    seen[step] = v.mean().item() / (1 - beta2**step)
+            out[f"beta2 {beta2} {dtype}"] = seen
+    return out
+
+
+def torch_fused_adamw(param, beta2: float, dtype: str):
+    from hfsdp.core import FusedAdamW
+
+    return FusedAdamW(
+        [param], lr=1e-3, betas=(0.9, beta2), weight_decay=0.0, backend="torch", exp_avg_dtype=dtype,
+        exp_avg_sq_dtype=dtype,
+    )  # fmt: skip
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.decay_probe:
+        torch.set_num_threads(args.threads)
+        print("bias-corrected mean exp_avg_sq; E[g^2] is 1 up to step 200, 0.01 after")
+        for name, seen in decay_probe().items():
+            print(f"{name:<18}", "  ".join(f"step {step}: {v:.4g}" for step, v in seen.items()))
+        return
     if args.report:
         rows = summary(load(args.report))
         print(table(rows))

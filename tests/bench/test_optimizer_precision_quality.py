@@ -61,3 +61,14 @@ def test_every_setting_trains_and_the_report_compares_it_with_fp32(tmp_path):
     assert rows[0]["vs_fp32"] == 0.0 and rows[0]["within_fp32_range"]
     assert "low_phase_gain" in rows[-1] and math.isfinite(rows[-1]["low_phase_gain"])
     assert table(rows).count("\n") == len(rows) + 1
+
+
+def test_decay_probe_reads_every_moment_dtype_back_in_fp32():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from optimizer_precision_quality import decay_probe
+
+    seen = decay_probe(numel=256, steps=60, drop=20, marks=(20, 60))
+    assert len(seen) == 6 and all(set(v) == {20, 60} for v in seen.values())
+    assert all(math.isfinite(x) and x > 0 for v in seen.values() for x in v.values())
+    fp32 = seen["beta2 0.95 fp32"]
+    assert 0.5 < fp32[20] < 2 and fp32[60] < 0.1  # E[g^2]: 1, then 0.01 (beta2 0.95 forgets in ~20 steps)
