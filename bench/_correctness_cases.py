@@ -28,8 +28,25 @@ SEED = 1234
 STYLES = ("eager", "module", "fullgraph", "wrapper", "forward", "cli", "model")
 #: Engine options: "offload" (fp32 state in host memory), "fused" (FusedAdamW, clip before it), "fused_clip_prestage"
 #: (FusedAdamW clipping inside its step and writing the next forward's gather input), "fused_clip_prestage_overlap"
-#: (and its step on a side stream, overlapping the next forward), "recompute".
-OPTIONS = ("", "offload", "fused", "fused_clip_prestage", "fused_clip_prestage_overlap", "recompute")
+#: (and its step on a side stream, overlapping the next forward), "recompute"; and Megatron's precision-aware
+#: optimizer through FusedAdamW: `_bf16m` / `_fp8m` moments, `_bf16g` gradients reduced and read in bf16 (its
+#: reference steps the same FusedAdamW on gradients rounded to bf16).
+OPTIONS = (
+    "",
+    "offload",
+    "fused",
+    "fused_clip_prestage",
+    "fused_clip_prestage_overlap",
+    "recompute",
+    "fused_clip_prestage_bf16m_bf16g",
+    "fused_clip_prestage_fp8m_bf16g",
+)
+PRECISION_SUFFIXES = ("_bf16m_bf16g", "_fp8m_bf16g")
+
+
+def precision_of(option: str) -> str:
+    """The precision-aware suffix of an option ("" for fp32 state and gradients)."""
+    return next((s for s in PRECISION_SUFFIXES if option.endswith(s)), "")
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,8 @@ class Case:
     def reference_name(self) -> str:
         """The reference case this one must agree with: the same kernels (compiled ones round otherwise than eager
         ones) and the same optimizer kernel; offload and recompute change neither."""
-        return Case("reference", self.kernels, "fused" if self.option.startswith("fused") else "").name
+        fused = "fused" + precision_of(self.option) if self.option.startswith("fused") else ""
+        return Case("reference", self.kernels, fused).name
 
 
 def build_llama(shape: Shape, device: torch.device):
@@ -183,8 +201,10 @@ def _adamw(params, shape: Shape, option: str, sanitizer: bool):
         clip = shape.clip if prestage else None
         # Under the sanitizer the torch path: a Triton kernel is invisible to it (the same ordering, seen op by op).
         backend = "torch" if sanitizer else "auto"
+        moments = "fp8" if "_fp8m" in option else "bf16" if "_bf16m" in option else "fp32"
         return FusedAdamW(params, lr=shape.lr, weight_decay=0.1, max_grad_norm=clip, prestage_gathers=prestage,
-                          overlap_next_forward=option.endswith("_overlap"), backend=backend)  # fmt: skip
+                          overlap_next_forward=option.endswith("_overlap"), backend=backend,
+                          exp_avg_dtype=moments, exp_avg_sq_dtype=moments)  # fmt: skip
     return torch.optim.AdamW(params, lr=shape.lr, weight_decay=0.1, fused=True)
 
 
@@ -192,7 +212,7 @@ class Reference:
     """The recipe in plain PyTorch on one process: a bf16 model computes, fp32 masters are stepped."""
 
     def __init__(self, case: Case, shape: Shape, device, sanitizer: bool):
-        self.shape = shape
+        self.shape, self.bf16_grads = shape, case.option.endswith("_bf16g")
         fp32 = build_llama(shape, device)
         self.masters = {n: p.detach().clone() for n, p in fp32.named_parameters()}
         self.model = copy.deepcopy(fp32)
@@ -217,6 +237,8 @@ class Reference:
             total += loss.detach()
         for n, m in self.masters.items():
             m.grad = grads[n].mul_(1.0 / len(microbatches))
+            if self.bf16_grads:  # hfsdp reduces in bf16 and steps from it
+                m.grad = m.grad.bfloat16().float()
         if self.shape.clip:
             torch.nn.utils.clip_grad_norm_(list(self.masters.values()), self.shape.clip, foreach=True)
         self.opt.step()
@@ -296,7 +318,10 @@ class Hfsdp:
             cfg,
             build_meshes(cfg, device.type),
             units=model.model.layers,
-            mp=MixedPrecision(param_dtype=torch.bfloat16),
+            mp=MixedPrecision(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.bfloat16 if case.option.endswith("_bf16g") else torch.float32,
+            ),
             offload=case.option == "offload",
         )
         if case.style == "model":
