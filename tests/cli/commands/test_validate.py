@@ -517,3 +517,18 @@ def test_a_fifo_or_device_as_the_config_file_is_refused_at_once(tmp_path):
             result = subprocess.run([str(HFSDP), *command], capture_output=True, text=True, timeout=30)
             assert result.returncode == 2, result.stderr
             assert "is not a regular file (a FIFO, device or socket)" in result.stderr and str(path) in result.stderr
+
+
+def test_the_bytes_per_parameter_count_the_precision_aware_optimizer_dtypes(tmp_path):
+    """With bf16 / fp8 moments the summary counts 4 + 2 + (1 + 4/128) bytes of main weights and Adam state per
+    element (fp8's scale per 128 beside it), and says so; without the flag the fp32 12."""
+    train = {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "fp8"}
+    code, report = invoke_json(write(tmp_path, "precision.yaml", {**ISSUE, "train": {**ISSUE["train"], **train}}))
+    assert code == 0, report
+    s = report["summary"]
+    optim = 4 + 2 + 1 + 4 / 128
+    assert s["dense"]["bytes_per_param"] == pytest.approx(4 / 4 + optim / 8)
+    assert s["expert"]["bytes_per_param"] == pytest.approx(2 + 2 / 4 + optim / 4)
+    assert s["bytes_per_param_assumes"] == "bf16 params and grads, fp32 main weights, Adam state bf16/fp8"
+    code, plain = invoke_json(write(tmp_path, "plain.yaml", ISSUE))
+    assert plain["summary"]["dense"]["bytes_per_param"] == pytest.approx(4 / 4 + 12 / 8)

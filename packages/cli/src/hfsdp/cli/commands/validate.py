@@ -30,6 +30,18 @@ from hfsdp.core.rules.config import MEGATRON_NAMES, ConfigError, LayoutConfig, P
 EXIT_VALID, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 STATES = (("param", "params"), ("grad", "grads"), ("optim", "optimizer"))
 BYTES_NOTE = "bf16 params and grads, fp32 main weights and Adam state"
+#: Bytes per element of an Adam moment kept in each of the precision-aware optimizer's dtypes (fp8: one fp32 scale
+#: per 128 elements beside it).
+MOMENT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0 + 4 / 128}
+
+
+def _optimizer_bytes(run: TrainConfig | None) -> tuple[float, str]:
+    """Bytes per element of the fp32 main weights and the two Adam moments, and what the summary assumes."""
+    values = run.values if run is not None else {}
+    if not values.get("use_precision_aware_optimizer"):
+        return 12.0, BYTES_NOTE
+    m, v = values["exp_avg_dtype"], values["exp_avg_sq_dtype"]
+    return 4 + MOMENT_BYTES[m] + MOMENT_BYTES[v], f"bf16 params and grads, fp32 main weights, Adam state {m}/{v}"
 
 
 class OutputFormat(StrEnum):
@@ -79,13 +91,14 @@ def summarize(cfg: LayoutConfig, run: TrainConfig | None = None) -> dict[str, An
     """
     from hfsdp.core.rules.layout import dense_layout, expert_layout
 
+    optim_bytes, assumes = _optimizer_bytes(run)
     expert: dict[str, Any] | None = None
     if cfg.num_moe_experts is not None:
         expert = {
             "ep": cfg.ep,
             "num_moe_experts": cfg.num_moe_experts,
             "experts_per_rank": cfg.num_moe_experts // cfg.ep,
-            **_mesh_summary(expert_layout(cfg)),
+            **_mesh_summary(expert_layout(cfg), optim_bytes),
         }
     return {
         "layout": cfg.layout_name,
@@ -94,9 +107,9 @@ def summarize(cfg: LayoutConfig, run: TrainConfig | None = None) -> dict[str, An
         "global_batch_size": cfg.global_batch_size,
         "micro_batch_size": cfg.micro_batch_size,
         "num_microbatches": cfg.num_microbatches,
-        "dense": _mesh_summary(dense_layout(cfg)),
+        "dense": _mesh_summary(dense_layout(cfg), optim_bytes),
         "expert": expert,
-        "bytes_per_param_assumes": BYTES_NOTE,
+        "bytes_per_param_assumes": assumes,
         "config": {MEGATRON_NAMES[k]: v for k, v in cfg.to_dict().items()},
         "settings": _settings(run) if run is not None else None,
         "diloco": _diloco_summary(cfg, run),
@@ -129,14 +142,14 @@ def _settings(run: TrainConfig) -> dict[str, Any]:
     }
 
 
-def _mesh_summary(mesh) -> dict[str, Any]:
+def _mesh_summary(mesh, optim_bytes: float = 12.0) -> dict[str, Any]:
     from hfsdp.core.rules.placement_names import describe_names
 
     return {
         "mesh": {"names": list(mesh.names), "shape": list(mesh.shape)},
         "strategies": [a.strategy.value for a in mesh.axes],
         "placements": {state: describe_names(mesh.placement_names(state)) for state, _ in STATES},
-        "bytes_per_param": mesh.bytes_per_param(),
+        "bytes_per_param": mesh.bytes_per_param(optim_bytes=optim_bytes),
     }
 
 
@@ -194,7 +207,7 @@ def _print_summary(file: Path, s: dict[str, Any]) -> None:
     for row in rows:
         console.print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), markup=False)
     console.print()
-    note = f"bytes/param: model-state bytes per parameter on one rank, with {BYTES_NOTE}."
+    note = f"bytes/param: model-state bytes per parameter on one rank, with {s['bytes_per_param_assumes']}."
     if s["expert"] is not None:
         e = s["expert"]
         note += (
