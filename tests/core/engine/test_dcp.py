@@ -174,6 +174,47 @@ def _pickled(rank: int, world: int) -> bool:
     return plain and bool(loaded["state"])
 
 
+FROZEN = ("inp.weight", "layers.0.up.weight", "layers.1.up.weight")
+
+
+def _frozen_toy(seed: int):
+    model = make_toy(seed)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in FROZEN)
+    return model
+
+
+def _frozen_resumed(rank: int, world: int, tmp: str) -> bool:
+    """A frozen base (sharded in its own groups) under bf16 compute, torchtitan's flow on HFSDP 3x2: bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard
+
+    def sharded(seed):
+        world_size, outer, inner, instances = LAYOUTS["HFSDP 3x2"]
+        cfg = LayoutConfig(world_size=world_size, inner=inner, outer=outer, instances=instances)
+        model = _frozen_toy(seed)
+        mp = MixedPrecision(param_dtype=torch.bfloat16)
+        model = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, opt = sharded(0)
+    _step(model, opt, 0, rank, world)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{tmp}/frozen")
+    _step(model, opt, 1, rank, world)
+    want = model.state_dict()
+    fresh, fresh_opt = sharded(7)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=f"{tmp}/frozen")
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _step(fresh, fresh_opt, 1, rank, world)
+    got = fresh.state_dict()
+    return set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def _diloco_refused(rank: int, world: int) -> str:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -206,6 +247,7 @@ def _six(rank: int, world: int, tmp: str) -> dict:
         "resumed": {case: _resumed(*case, rank, world, tmp) for case in CASES},
         "saved": _saved_for_resharding(rank, world, tmp),
         "pickled": _pickled(rank, world),
+        "frozen": _frozen_resumed(rank, world, tmp),
         "diloco": _diloco_refused(rank, world),
     }
 
@@ -271,6 +313,10 @@ def test_a_checkpoint_saved_on_six_ranks_loads_on_four_in_another_layout_exactly
 
 def test_an_optimizer_state_dict_still_round_trips_through_torch_save(six):
     assert all(rank["pickled"] for rank in six[0])
+
+
+def test_a_frozen_bf16_computed_base_resumes_through_dcp_bit_for_bit(six):
+    assert six[0][0]["frozen"]
 
 
 def test_dcp_with_diloco_is_refused_on_every_rank_naming_hfsdp_ckpt(six):
