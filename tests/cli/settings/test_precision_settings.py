@@ -137,3 +137,13 @@ def test_the_accepted_values_become_the_runs_reduction_and_optimizer():
     assert _fused_adamw(cfg, cpu) and not _fused_adamw(build_train_config({"device": "cpu"}), cpu)
     opt = _optimizer(cfg, [torch.nn.Parameter(torch.zeros(4))], cpu)
     assert isinstance(opt, FusedAdamW) and opt.dtypes == (torch.bfloat16, torch.float8_e5m2)
+
+
+def test_auto_offload_is_told_the_moments_bytes():
+    """`hfsdp train` tells fully_shard what its optimizer's state costs per element, so `--offload-fraction auto`
+    counts bf16 / fp8 moments (fp8 with its scale per 128), not fp32's 8 bytes."""
+    from hfsdp.cli.rank.build_model import optimizer_state_bytes
+
+    cfg = build_train_config({"device": "cpu", **PRECISION, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "fp8"})
+    assert optimizer_state_bytes(cfg) == 2 + 1 + 4 / 128
+    assert optimizer_state_bytes(build_train_config({"device": "cpu"})) == 8

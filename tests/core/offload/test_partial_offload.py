@@ -57,6 +57,29 @@ def test_auto_offloads_the_smallest_share_that_fits():
     assert plan_offload("auto", [30, 30, 30, 10], _layout(), 2, CPU, 0).units == (False,) * 4  # host = device here
 
 
+def test_auto_counts_the_optimizer_state_and_gradient_dtypes_it_is_told():
+    """FusedAdamW's bf16 / fp8 moments (2 + 1 + 4/128 bytes per element with fp8's block scale) and bf16
+    gradients: a kept element costs 4 + 3.03125 + 2 bytes instead of 16, so the same budget needs less offloaded."""
+    from hfsdp.planning.memory import state_bytes_per_element
+
+    state = state_bytes_per_element("bf16", "fp8")
+    assert state == 2 + 1 + 4 / 128 and state_bytes_per_element("fp32", "fp32") == 8
+    kept, offloaded = per_element_bytes(_layout(), 2, 2, state)
+    assert (kept, offloaded) == (4 + state + 2, 2 + 2)
+    assert fraction_for(100, kept, offloaded, 700) < fraction_for(100, *per_element_bytes(_layout(), 2), 700)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "8", True])
+def test_a_bad_optimizer_state_bytes_is_refused(bad):
+    from hfsdp.core import LayoutConfig, fully_shard
+    from hfsdp.core.engine.module import HFSDPModule
+
+    model = make_toy()
+    with pytest.raises(ValueError, match="optimizer_state_bytes must be a number of bytes per element"):
+        fully_shard(model, LayoutConfig(world_size=1), None, units=[], optimizer_state_bytes=bad)  # refused first
+    assert not isinstance(model, HFSDPModule)  # refused before anything was sharded
+
+
 @pytest.mark.parametrize("bad", [1.5, -0.1, "half", float("nan"), None])
 def test_a_bad_offload_value_is_refused_with_what_it_may_be(bad):
     with pytest.raises(ValueError, match=r"a fraction from 0 to 1 .* or 'auto'"):

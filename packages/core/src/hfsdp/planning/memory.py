@@ -49,6 +49,12 @@ def moment_bytes(dtype: str, elements: int) -> int:
     return MOMENT_BYTES[dtype] * elements + scales
 
 
+def state_bytes_per_element(exp_avg: str, exp_avg_sq: str) -> float:
+    """AdamW's two moments per element in these dtypes, fp8's block scales included (8 for fp32; what
+    `fully_shard(optimizer_state_bytes=...)` is told for its "auto" offload)."""
+    return sum(moment_bytes(d, SCALE_BLOCK) / SCALE_BLOCK for d in (exp_avg, exp_avg_sq))
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the memory and time of a step depend on besides the layout."""

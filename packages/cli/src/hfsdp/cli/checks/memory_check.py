@@ -112,7 +112,12 @@ def offloaded_share(cfg: TrainConfig, shape: ModelShape, gpu: int | None = None)
     gpu = _gpu_total(cfg) if gpu is None else gpu
     if gpu is None:
         return 0.0
-    kept, offloaded = per_element_bytes(dense_layout(cfg.layout), step_settings(cfg, shape).compute_bytes)
+    from hfsdp.planning.memory import state_bytes_per_element
+
+    settings = step_settings(cfg, shape)
+    reduce = 2 if cfg.main_grads_dtype == "bf16" else 4
+    state = state_bytes_per_element(cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype)
+    kept, offloaded = per_element_bytes(dense_layout(cfg.layout), settings.compute_bytes, reduce, state)
     return fraction_for(shape.params, kept, offloaded, gpu * (1 - RESERVE_FRACTION))
 
 

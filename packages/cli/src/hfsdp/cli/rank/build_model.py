@@ -53,6 +53,13 @@ def offload_of(cfg: TrainConfig) -> bool | float | str:
     return True if fraction == 1.0 else fraction
 
 
+def optimizer_state_bytes(cfg: TrainConfig) -> float:
+    """The optimizer's state per element, for `offload="auto"`: AdamW's moments in the run's dtypes."""
+    from hfsdp.planning.memory import state_bytes_per_element
+
+    return state_bytes_per_element(cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype)
+
+
 def _wrap_units(cfg: TrainConfig, units) -> None:
     from hfsdp.core.engine.unit_forward import compile_units, recompute
 
@@ -80,6 +87,7 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
         units=units,
         mp=mp,
         offload=offload_of(cfg),
+        optimizer_state_bytes=optimizer_state_bytes(cfg),
         reshard_root_after_forward=True,
         diloco=cfg.diloco,
     )
@@ -111,5 +119,13 @@ def _megatron_gpt(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     reinit_by_global_name(model, expert_naming_for(layout), cfg.seed)
     model.to(device)
     _wrap_units(cfg, list(model.decoder.layers))
-    sharded = shard_megatron_model(model, layout, device.type, mp, offload=offload_of(cfg), diloco=cfg.diloco)
+    sharded = shard_megatron_model(
+        model,
+        layout,
+        device.type,
+        mp,
+        offload=offload_of(cfg),
+        diloco=cfg.diloco,
+        optimizer_state_bytes=optimizer_state_bytes(cfg),
+    )
     return BuiltModel(sharded, lm_loss, cfg.vocab, {"format": "megatron-gpt", "config": shape.record()})

@@ -23,6 +23,7 @@ forward and backward they are what an optimizer must step, this rank's fp32 main
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -200,6 +201,7 @@ def fully_shard(
     reshard_root_after_forward: bool = False,
     diloco: DiLoCoConfig | None = None,
     offload_reserve: int | None = None,
+    optimizer_state_bytes: float = 8.0,
 ) -> nn.Module:
     """Shard `module` in place on `meshes` and return it: each of `units` gets its own buffers, the root the rest.
 
@@ -211,6 +213,9 @@ def fully_shard(
       True for all of it, a fraction from 0 to 1 for that share (whole units, the last ones first), or "auto"
       for only what the device cannot hold, leaving `offload_reserve` bytes free (default: 10% of the device)
       for activations (`offload_plan.py`);
+    - `optimizer_state_bytes`: what "auto" counts for the optimizer's state per element: 8 for AdamW's two fp32
+      moments (the default), 4 for FusedAdamW's bf16 ones, 2 + 2/32 for fp8 with their scales; the optimizer is
+      built after `fully_shard`, so it is told here;
     - `reshard_after_forward`: free each unit's gathered parameters after its forward and gather them again for
       its backward (ZeRO-3's memory). False keeps them from forward through backward, as FSDP2's
       `reshard_after_forward=False`: one gather (or, on one rank, one cast) per microbatch instead of two, for
@@ -237,6 +242,9 @@ def fully_shard(
         )
     if offload_reserve is not None and (isinstance(offload_reserve, bool) or not isinstance(offload_reserve, int)):
         raise ValueError(f"offload_reserve must be a whole number of bytes (or None), got {offload_reserve!r}")
+    state = optimizer_state_bytes
+    if isinstance(state, bool) or not isinstance(state, int | float) or not math.isfinite(state) or state < 0:
+        raise ValueError(f"optimizer_state_bytes must be a number of bytes per element >= 0, got {state!r}")
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("the module has no parameter that requires a gradient: there is nothing to shard.")
     sharding = Sharding(
@@ -253,6 +261,7 @@ def fully_shard(
         reshard_root_after_forward=reshard_root_after_forward,
         diloco=diloco,
         offload_reserve=offload_reserve,
+        optimizer_state_bytes=optimizer_state_bytes,
     )
     module.__dict__[ATTRIBUTE] = sharding
     module.__class__ = _sharded_class(type(module))

@@ -87,6 +87,7 @@ class Sharding:
         reshard_after_forward: bool = True,
         diloco: DiLoCoConfig | None = None,
         offload_reserve: int | None = None,
+        optimizer_state_bytes: float = 8.0,
     ):
         self.module, self.config, self.meshes, self.mp = module, config, meshes, mp
         self.expert_naming = expert_naming
@@ -120,6 +121,8 @@ class Sharding:
             self.device,
             on_device,
             offload_reserve,
+            mp.reduce_dtype.itemsize,
+            optimizer_state_bytes,
         )
         self.units: list[ShardedUnit] = []
         for index, (unit_module, params) in enumerate(zip(unit_modules, unit_params, strict=True)):

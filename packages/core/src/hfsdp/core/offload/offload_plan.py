@@ -62,6 +62,8 @@ def plan_offload(
     device: torch.device,
     current_bytes: int,
     reserve: int | None = None,
+    reduce_bytes: int = 4,
+    state_bytes: float = 8.0,
 ) -> OffloadPlan:
     """The per-unit decision for `offload` (checked by `check_offload`); `unit_elements` are the trainable elements of
     each unit, the root last; `current_bytes` what the model's parameters on the device hold now."""
@@ -70,7 +72,9 @@ def plan_offload(
     if offload is True or offload is False:
         return OffloadPlan(tuple([bool(offload)] * len(unit_elements)), float(offload), offload)
     if offload == "auto":
-        fraction = auto_fraction(total, layout, compute_bytes, device, current_bytes, reserve)
+        fraction = auto_fraction(
+            total, layout, compute_bytes, device, current_bytes, reserve, reduce_bytes, state_bytes
+        )
     else:
         fraction = float(offload)
     chosen = [False] * len(unit_elements)
@@ -84,13 +88,16 @@ def plan_offload(
     return OffloadPlan(tuple(chosen), moved / max(total, 1), offload)
 
 
-def per_element_bytes(layout: MeshLayout, compute_bytes: int, reduce_bytes: int = 4) -> tuple[float, float]:
-    """(kept on the device, offloaded): device bytes per trainable element of the model, on this rank."""
+def per_element_bytes(
+    layout: MeshLayout, compute_bytes: int, reduce_bytes: int = 4, state_bytes: float = 8.0
+) -> tuple[float, float]:
+    """(kept on the device, offloaded): device bytes per trainable element of the model, on this rank.
+    `state_bytes`: the optimizer's state per element (AdamW's two fp32 moments: 8; FusedAdamW's in bf16: 4)."""
     s_p, s_g, s_o = (layout.shard_factor(s) for s in (State.PARAM, State.GRAD, State.OPTIM))
     if compute_bytes == 4:  # fp32 compute: the main weights are a range of the parameter shard
-        kept = 4 / s_p + 8 / s_o + reduce_bytes / s_g
+        kept = 4 / s_p + state_bytes / s_o + reduce_bytes / s_g
     else:
-        kept = 12 / s_o + reduce_bytes / s_g + (compute_bytes / s_p if s_p != s_o else 0.0)
+        kept = (4 + state_bytes) / s_o + reduce_bytes / s_g + (compute_bytes / s_p if s_p != s_o else 0.0)
     offloaded = compute_bytes / s_p + reduce_bytes / s_g
     return kept, offloaded
 
@@ -102,6 +109,8 @@ def auto_fraction(
     device: torch.device,
     current_bytes: int,
     reserve: int | None,
+    reduce_bytes: int = 4,
+    state_bytes: float = 8.0,
 ) -> float:
     """The smallest fraction to offload so that the rest fits on `device` (the largest over all ranks)."""
     if device.type != "cuda":
@@ -110,7 +119,7 @@ def auto_fraction(
         free, capacity = torch.cuda.mem_get_info(device)
         reserve = int(RESERVE_FRACTION * capacity) if reserve is None else reserve
         budget = free + current_bytes - reserve
-        kept, offloaded = per_element_bytes(layout, compute_bytes)
+        kept, offloaded = per_element_bytes(layout, compute_bytes, reduce_bytes, state_bytes)
         fraction = fraction_for(total, kept, offloaded, budget)
     if dist.is_initialized() and dist.get_world_size() > 1:
         backend = dist.get_backend()

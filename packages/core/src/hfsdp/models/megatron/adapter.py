@@ -91,6 +91,7 @@ def shard_megatron_model(
     reshard_root_after_forward: bool = False,
     streams=None,
     diloco=None,
+    optimizer_state_bytes: float = 8.0,
 ) -> torch.nn.Module:
     """Shard a GPTModel in place: each transformer layer is a unit, the root holds embeddings and output layer.
 
@@ -109,6 +110,7 @@ def shard_megatron_model(
         is_expert=is_expert_param,
         expert_naming=naming,
         offload=offload,
+        optimizer_state_bytes=optimizer_state_bytes,
         reshard_after_forward=reshard_after_forward,
         reshard_root_after_forward=reshard_root_after_forward,
         streams=streams,
