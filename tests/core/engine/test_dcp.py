@@ -322,3 +322,21 @@ def test_a_frozen_bf16_computed_base_resumes_through_dcp_bit_for_bit(six):
 def test_dcp_with_diloco_is_refused_on_every_rank_naming_hfsdp_ckpt(six):
     for rank in six[0]:
         assert "hfsdp.ckpt.save_checkpoint" in rank["diloco"] and "DiLoCo" in rank["diloco"]
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (2, 1, 3, 5), ()])
+def test_a_flat_range_is_the_rectangles_dcp_is_told_in_order(shape):
+    """Every range [start, stop) of a row-major tensor: its rectangles, in order, are exactly its elements, each a
+    contiguous run of them (so a rectangle is a view of the flat piece)."""
+    from hfsdp.core.engine.piece_tensor import chunks_of
+
+    whole = torch.arange(max(1, torch.Size(shape).numel())).view(shape)
+    n = whole.numel()
+    for start in range(n + 1):
+        for stop in range(start, n + 1):
+            covered = []
+            for offsets, sizes, first in chunks_of(shape, start, stop):
+                box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].reshape(-1)
+                assert box.tolist() == list(range(first, first + box.numel())), (shape, start, stop, offsets)
+                covered += box.tolist()
+            assert covered == list(range(start, stop)), (shape, start, stop)
