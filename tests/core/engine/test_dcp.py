@@ -340,3 +340,37 @@ def test_a_flat_range_is_the_rectangles_dcp_is_told_in_order(shape):
                 assert box.tolist() == list(range(first, first + box.numel())), (shape, start, stop, offsets)
                 covered += box.tolist()
             assert covered == list(range(start, stop)), (shape, start, stop)
+
+
+def _megatron_round_trips(rank: int, world: int, tmp: str) -> list:
+    """A megatron GPT's state dicts carry non-tensor `_extra_state` entries: the full load and DCP's strict load
+    both take them back (they are known keys, not unexpected ones)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from hfsdp.core import LayoutConfig
+    from hfsdp.models.megatron.adapter import initialize_parallel, shard_megatron_model
+    from hfsdp.models.megatron.gpt import GPTShape, build_gpt
+
+    cfg = LayoutConfig(world_size=world)
+    initialize_parallel(cfg)
+    shape = GPTShape(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16)
+    model = shard_megatron_model(build_gpt(shape), cfg, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    full = model.state_dict()
+    extra = [k for k, v in full.items() if not isinstance(v, torch.Tensor)]
+    loaded = model.load_state_dict(full)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd}, checkpoint_id=f"{tmp}/gpt")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd}, checkpoint_id=f"{tmp}/gpt")
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return [
+        bool(extra),
+        list(loaded.unexpected_keys),
+        torch.equal(full["output_layer.weight"], model.state_dict()["output_layer.weight"]),
+    ]
+
+
+def test_a_megatron_gpt_with_extra_state_loads_its_own_state_dicts(tmp_path):
+    assert run_distributed(_megatron_round_trips, 1, str(tmp_path), timeout=120)[0] == [True, [], True]

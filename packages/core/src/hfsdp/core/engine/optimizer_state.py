@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from hfsdp.core.buffers.main_params import MainParam, piece_of
 from hfsdp.core.engine.caller import called_from_dcp
-from hfsdp.core.engine.piece_tensor import PieceTensor, to_piece
+from hfsdp.core.engine.piece_tensor import to_piece
 from hfsdp.core.engine.sharded_state_dict import check_supported, piece_tensor
 
 
@@ -67,13 +67,15 @@ def local_state_dict(optimizer, state_dict):
     current = chain.from_iterable(group["params"] for group in optimizer.param_groups)
     param_of = dict(zip(saved_ids, current, strict=False))
     state = {}
-    for index, entry in state_dict["state"].items():
+    for index in sorted(state_dict["state"]):  # the order `as_pieces` gives: an ordinary DTensor is gathered whole
+        entry = state_dict["state"][index]
         piece = piece_of(param_of[index]) if index in param_of else None
         if piece is None:
             state[index] = entry
             continue
         out = {}
-        for key, value in entry.items():
+        for key in sorted(entry):
+            value = entry[key]
             if isinstance(value, DTensor) or (
                 isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == piece.shape and not piece.whole
             ):
@@ -92,4 +94,4 @@ def serve_state_dicts(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_load_state_dict_pre_hook(local_state_dict)
 
 
-__all__ = ["PieceTensor", "as_pieces", "local_state_dict", "serve_state_dicts"]
+__all__ = ["as_pieces", "local_state_dict", "serve_state_dicts"]

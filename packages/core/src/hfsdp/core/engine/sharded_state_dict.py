@@ -28,6 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from hfsdp.core.buffers.main_params import MainParam, piece_of
 from hfsdp.core.engine.piece_tensor import PieceTensor, to_piece
+from hfsdp.core.engine.state_dict import expected_keys, load_problems, raise_load_errors
 from hfsdp.core.rules.placement_names import State
 
 
@@ -74,40 +75,14 @@ def is_sharded(state_dict: dict[str, Any]) -> bool:
     return any(isinstance(v, DTensor) for v in state_dict.values())
 
 
-def _problems(sharding, state_dict: dict[str, Any], strict: bool) -> tuple[list[str], list[str], list[str]]:
-    local = nn.Module.state_dict(sharding.module, keep_vars=True)
-    expected = {}
-    for name, value in local.items():
-        if isinstance(value, torch.Tensor):
-            piece = piece_of(value)
-            expected[name] = tuple(piece.shape) if piece is not None else tuple(value.shape)
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in local]
-    errors = [
-        f"size mismatch for {k}: copying a param with shape {tuple(v.shape)} from checkpoint, the shape in current "
-        f"model is {expected[k]}."
-        for k, v in state_dict.items()
-        if k in expected and isinstance(v, torch.Tensor) and tuple(v.shape) != expected[k]
-    ]
-    if strict and unexpected:
-        errors.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
-    if strict and missing:
-        errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
-    return missing, unexpected, errors
-
-
 @torch.no_grad()
 def load(sharding, state_dict: dict[str, Any], strict: bool = True) -> _IncompatibleKeys:
     """Load a sharded state dict, each rank its own (collective: ordinary DTensors are gathered whole)."""
     check_supported(sharding)
-    missing, unexpected, errors = _problems(sharding, state_dict, strict)
+    missing, unexpected, errors = load_problems(state_dict, expected_keys(sharding), strict)  # the full load's checks
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, errors)
-    errors = next((e for e in every if e), [])
-    if errors:
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(sharding.module).__name__}:\n\t" + "\n\t".join(errors)
-        )
+    raise_load_errors(next((e for e in every if e), []), sharding.module)
     sharding.wait_for_weights()  # the last step's gathers may still read the main weights
     for name, target in nn.Module.state_dict(sharding.module, keep_vars=True).items():
         value = state_dict.get(name)

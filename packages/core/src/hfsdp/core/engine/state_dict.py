@@ -100,15 +100,18 @@ def full_state_dict(sharding) -> dict[str, torch.Tensor]:
     return out
 
 
-def _expected(sharding) -> dict[str, tuple[tuple[int, ...], bool]]:
+def expected_keys(sharding) -> dict[str, tuple[tuple[int, ...] | None, bool]]:
     """Every key of the module's full state dict -> (its shape, whether it is a sharded parameter), over all ranks
-    (collective: with expert parallelism a rank knows only its own experts)."""
-    mine: dict[str, tuple[tuple[int, ...], bool]] = {}
+    (collective: with expert parallelism a rank knows only its own experts). A non-tensor extra state (megatron's
+    `_extra_state`, which `state_dict()` gives) is a known key of no shape: expected, never checked or written."""
+    mine: dict[str, tuple[tuple[int, ...] | None, bool]] = {}
     for name, value in nn.Module.state_dict(sharding.module, keep_vars=True).items():
         if isinstance(value, torch.Tensor):
             piece = piece_of(value)
             shape = tuple(piece.shape) if piece is not None else tuple(value.shape)
             mine[_global(sharding, name)] = (shape, piece is not None)
+        else:
+            mine[_global(sharding, name)] = (None, False)
     if sharding.config.ep == 1:
         return mine
     every = [None] * dist.get_world_size()
@@ -119,13 +122,13 @@ def _expected(sharding) -> dict[str, tuple[tuple[int, ...], bool]]:
     return merged
 
 
-def _problems(sd: dict[str, Any], expected, strict: bool) -> tuple[list[str], list[str], list[str]]:
+def load_problems(sd: dict[str, Any], expected, strict: bool) -> tuple[list[str], list[str], list[str]]:
     missing = [k for k in expected if k not in sd]
     unexpected = [k for k in sd if k not in expected]
     errors = []
     for key, (shape, _) in expected.items():
         value = sd.get(key)
-        if isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+        if shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
             errors.append(
                 f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
                 f"shape in current model is {shape}."
@@ -137,7 +140,7 @@ def _problems(sd: dict[str, Any], expected, strict: bool) -> tuple[list[str], li
     return missing, unexpected, errors
 
 
-def _raise_if(errors: list[str], module: nn.Module) -> None:
+def raise_load_errors(errors: list[str], module: nn.Module) -> None:
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
 
@@ -157,10 +160,10 @@ def load_full_state_dict(sharding, state_dict: dict[str, Any], strict: bool = Tr
             f"the others: pass the same full state dict on every rank, or on rank 0 alone (the others an empty "
             "dict, as state_dict() gives them)."
         )
-    expected = _expected(sharding)
+    expected = expected_keys(sharding)
     verdict = [None]
     if not broadcast or dist.get_rank() == 0:
-        verdict = [_problems(state_dict, expected, strict)]
+        verdict = [load_problems(state_dict, expected, strict)]
     if broadcast:
         dist.broadcast_object_list(verdict, src=0)
     else:  # every rank judged its own dict: fail together if any rank failed
@@ -168,7 +171,7 @@ def load_full_state_dict(sharding, state_dict: dict[str, Any], strict: bool = Tr
         dist.all_gather_object(every, verdict[0][2])
         verdict[0] = (verdict[0][0], verdict[0][1], next((e for e in every if e), []))
     missing, unexpected, errors = verdict[0]
-    _raise_if(errors, module)
+    raise_load_errors(errors, module)
     source = _broadcast_from_rank0(sharding, state_dict, expected) if broadcast else state_dict
     _write(sharding, source)
     return _IncompatibleKeys(missing, unexpected)
@@ -192,7 +195,13 @@ def _broadcast_from_rank0(sharding, state_dict, expected) -> dict[str, torch.Ten
     device = _device_for_collectives(sharding.device)
     meta = [None]
     if dist.get_rank() == 0:
-        meta = [[(k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor) and k in expected]]
+        meta = [
+            [
+                (k, v.dtype)
+                for k, v in state_dict.items()
+                if isinstance(v, torch.Tensor) and expected.get(k, (None,))[0] is not None
+            ]
+        ]
     dist.broadcast_object_list(meta, src=0)
     kept: dict[str, torch.Tensor] = {}
     for key, dtype in meta[0]:
