@@ -29,6 +29,9 @@ _EXPORTS = {
     "param_groups": "hfsdp.core.engine.weight_decay",
     "register_elementwise": "hfsdp.core.buffers.main_params",
     "FusedAdamW": "hfsdp.core.kernels.fused_adamw",
+    "Float8Config": "hfsdp.core.fp8.config",
+    "Float8Linear": "hfsdp.core.fp8.linear",
+    "convert_to_float8": "hfsdp.core.fp8.convert",
 }
 
 __all__ = sorted(_EXPORTS)

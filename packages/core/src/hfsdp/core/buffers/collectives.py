@@ -86,11 +86,11 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     _reduce_scatter(output, full, group=group)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, axis: str) -> None:
-    """Sum `tensor` over `group`, in place."""
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, axis: str, op=dist.ReduceOp.SUM) -> None:
+    """Sum `tensor` over `group` (or reduce it by `op`), in place."""
     _record("all_reduce", axis, group, tensor)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
+        dist.all_reduce(tensor, op=op, group=group)
 
 
 def all_to_all(output: torch.Tensor, chunks: torch.Tensor, group: dist.ProcessGroup, axis: str) -> None:

@@ -23,6 +23,10 @@ cast like any other, so every rank holds only its piece, but never reduced, neve
 stepped and never published after a step; its `grads` never allocates a buffer, and
 its `main` keeps the parameters' own dtype (nothing updates it, so no fp32 master).
 
+An *fp8* group holds the weights of `Float8Linear` layers gathered in fp8 (`fp8_gather.py`): its
+`unsharded` buffer is fp8, filled by gathering each rank's quantized piece, and while the unit
+computes each layer's `weight` is a carrier for its gradient while the layer reads `fp8_weight`.
+
 The unsharded buffer moves through `ParamState`: SHARDED (no storage) -> GATHERING
 (a gather in flight on the gather stream) -> UNSHARDED (compute has waited for it).
 A group whose unsharded buffer is its persistent shard is always UNSHARDED.
@@ -52,6 +56,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hfsdp.core.buffers.flat_layout import FlatLayout
+from hfsdp.core.buffers.fp8_gather import Fp8Weights
 from hfsdp.core.buffers.grad_buffer import GradBuffer
 from hfsdp.core.buffers.group_comms import GroupComms
 from hfsdp.core.buffers.main_params import MainParam, build_main_params
@@ -89,6 +94,7 @@ class FlatParamGroup:
         streams=None,
         offload: bool = False,
         frozen: bool = False,
+        fp8: bool = False,
     ):
         self.frozen = frozen  # parameters that need no gradient: gathered and cast, never reduced or stepped
         self.is_expert, self.unit_index = is_expert, unit_index  # which mesh; the owning unit's position (root last)
@@ -98,6 +104,8 @@ class FlatParamGroup:
         self.streams = streams or SyncStreams()
         self.comms = GroupComms(mesh, self.flat)
         self.locations = locations
+        self.fp8_requested = fp8  # gather in fp8 where the parameters are gathered at all
+        self.fp8: Fp8Weights | None = None
         source = named_params[0][1]
         self.compute_dtype = mp.param_dtype or source.dtype
         # fp32 masters for what an optimizer steps; a frozen group's never change, so it keeps its own dtype
@@ -145,6 +153,13 @@ class FlatParamGroup:
                 self.param_shard = full[param_slice].to(self.compute_dtype, copy=True)
         # Whether `unsharded` is built (gathered, or cast from `main`) each time the unit runs.
         self.transient_unsharded = bool(self.flat.plan.param_gather) or self.param_shard is None
+        if self.fp8_requested and self.flat.plan.param_gather:
+            sharded = self.layout.sharded_axes(State.PARAM)
+            self.fp8 = Fp8Weights(self.flat, self.comms, sharded, self.compute_dtype, self.device)
+            self.unsharded = self.fp8.unsharded
+            for slot in self.slots:
+                _point(slot.param, self.fp8.carrier(slot.shape))
+            return
         if self.transient_unsharded:
             self.unsharded = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
         else:
@@ -203,9 +218,11 @@ class FlatParamGroup:
     def hold_compute_params(self) -> None:
         """Point every module attribute of this group at its compute parameter (the unit is about to compute)."""
         if not self._computing:
-            for slot, places in zip(self.slots, self.locations, strict=True):
+            for i, (slot, places) in enumerate(zip(self.slots, self.locations, strict=True)):
                 for module, attr in places:
                     module._parameters[attr] = slot.param
+                    if self.fp8 is not None:
+                        module.fp8_weight, module.fp8_weight_scale = self.fp8.weights[i], self.fp8.weight_scales[i]
             self._computing = True
 
     def hold_main_params(self) -> None:
@@ -214,6 +231,8 @@ class FlatParamGroup:
             for piece, places in zip(self.main_params, self.locations, strict=True):
                 for module, attr in places:
                     module._parameters[attr] = piece.param
+                    if self.fp8 is not None:
+                        module.fp8_weight = module.fp8_weight_scale = None
             self._computing = False
 
     # -- parameters ------------------------------------------------------------------
@@ -227,17 +246,29 @@ class FlatParamGroup:
         with self.streams.side("gather"):
             self.streams.wait("gather", allocated)
             self.streams.wait("gather", self._stepped)  # the step writes the main weights (and the cast of them)
-            piece = self.param_shard
-            if piece is None:  # cast the main weights into this rank's slot: the gather is then in place
-                piece = self.unsharded[slice(*self.param_range)]
-                if self._gather_input_ready:  # the optimizer step wrote it already (`compute_weights_out`)
-                    self._gather_input_ready = False
-                else:
-                    piece.copy_(self.main)
             sharded = self.layout.sharded_axes(State.PARAM)
-            self.comms.gather(piece, sharded, self.plan.param_gather, self.unsharded, 0)
+            if self.fp8 is not None:  # this rank's piece quantized (once per step), gathered as fp8 bytes
+                if not self.fp8.fresh:
+                    source = self.param_shard if self.param_shard is not None else self.main.to(self.compute_dtype)
+                    self.fp8.refresh(source)
+                piece, out = self.fp8.shard.view(torch.uint8), self.unsharded.view(torch.uint8)
+            else:
+                piece, out = self._gather_input(), self.unsharded
+            self.comms.gather(piece, sharded, self.plan.param_gather, out, 0)
             self._gather_event = self.streams.record("gather")
         self.state = ParamState.GATHERING
+
+    def _gather_input(self) -> torch.Tensor:
+        """This rank's piece in the compute dtype: the kept shard, or the cast of `main` into its own slot of
+        `unsharded` (the gather is then in place), unless the optimizer step wrote it there already."""
+        if self.param_shard is not None:
+            return self.param_shard
+        piece = self.unsharded[slice(*self.param_range)]
+        if self._gather_input_ready:  # the optimizer step wrote it already (`compute_weights_out`)
+            self._gather_input_ready = False
+        else:
+            piece.copy_(self.main)
+        return piece
 
     def finish_unshard(self) -> None:
         """Make the compute stream wait for an in-flight gather (and for the last step's new weights)."""
@@ -366,6 +397,8 @@ class FlatParamGroup:
         still unsharded (the root after a forward without backward).
         """
         written, self._compute_weights_written = self._compute_weights_written, False
+        if self.fp8 is not None:
+            self.fp8.fresh = False
         if self.param_shard is not None:
             lo = self.param_range[0]
             piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
@@ -404,7 +437,7 @@ class FlatParamGroup:
             return None
         if self.param_shard is not None:
             return self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
-        if not prestage or self.state is ParamState.GATHERING:
+        if not prestage or self.state is ParamState.GATHERING or self.fp8 is not None:
             return None
         if self.state is ParamState.SHARDED:  # allocated on the compute stream, which the step runs on
             self.unsharded.untyped_storage().resize_(self.padded * self.unsharded.element_size())
@@ -461,7 +494,8 @@ class FlatParamGroup:
         grad = 0 if self.frozen else (self.grad_range[1] - self.grad_range[0]) * self.grads.reduce_dtype.itemsize
         separate = self.compute_dtype != self.main_dtype and not self.offload
         main = self.main.numel() * self.main.element_size() if separate else 0
-        return shard + grad + main
+        fp8 = 0 if self.fp8 is None else self.fp8.state_bytes()
+        return shard + grad + main + fp8
 
 
 def _point(param: nn.Parameter, view: torch.Tensor) -> None:

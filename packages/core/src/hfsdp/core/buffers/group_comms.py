@@ -41,8 +41,8 @@ class GroupComms:
     def reduce_scatter(self, k: int, out: torch.Tensor, full: torch.Tensor) -> None:
         comm.reduce_scatter(out, full, self.groups[k], self.names[k])
 
-    def all_reduce(self, k: int, tensor: torch.Tensor) -> None:
-        comm.all_reduce(tensor, self.groups[k], self.names[k])
+    def all_reduce(self, k: int, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        comm.all_reduce(tensor, self.groups[k], self.names[k], op)
 
     def all_gather(self, k: int, out: torch.Tensor, piece: torch.Tensor) -> None:
         comm.all_gather(out, piece, self.groups[k], self.names[k])

@@ -202,6 +202,7 @@ def fully_shard(
     diloco: DiLoCoConfig | None = None,
     offload_reserve: int | None = None,
     optimizer_state_bytes: float = 8.0,
+    fp8_param_gather: bool = False,
 ) -> nn.Module:
     """Shard `module` in place on `meshes` and return it: each of `units` gets its own buffers, the root the rest.
 
@@ -226,6 +227,9 @@ def fully_shard(
       through backward, as FSDP2's does: when the loss is computed inside the model (a megatron GPT), backward
       needs them at once. When it is computed outside (a transformers model's logits), resharding frees them
       while the loss and its gradient peak, at the price of gathering them again for backward;
+    - `fp8_param_gather`: gather the weights of the units' `Float8Linear` layers (`convert_to_float8`, tensorwise
+      recipe) in fp8: each rank quantizes its piece, with the scale of the whole weight, and the gather moves fp8
+      bytes, half of bf16's; the layers multiply exactly the bits they would quantize themselves (`fp8_gather.py`);
     - `diloco`: the outer step of a layout whose outer strategy is 'diloco' (required there, refused elsewhere):
       every `sync_every` optimizer steps the instances' weights are averaged into the global weights by an outer
       SGD, after `optimizer.step()`, by itself (`outer_sync.py`).
@@ -245,6 +249,8 @@ def fully_shard(
     state = optimizer_state_bytes
     if isinstance(state, bool) or not isinstance(state, int | float) or not math.isfinite(state) or state < 0:
         raise ValueError(f"optimizer_state_bytes must be a number of bytes per element >= 0, got {state!r}")
+    if not isinstance(fp8_param_gather, bool):
+        raise ValueError(f"fp8_param_gather must be True or False, got {fp8_param_gather!r}")
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("the module has no parameter that requires a gradient: there is nothing to shard.")
     sharding = Sharding(
@@ -262,6 +268,7 @@ def fully_shard(
         diloco=diloco,
         offload_reserve=offload_reserve,
         optimizer_state_bytes=optimizer_state_bytes,
+        fp8_param_gather=fp8_param_gather,
     )
     module.__dict__[ATTRIBUTE] = sharding
     module.__class__ = _sharded_class(type(module))

@@ -39,6 +39,7 @@ from hfsdp.core.buffers.main_params import MainParam
 from hfsdp.core.buffers.mixed_precision import MixedPrecision
 from hfsdp.core.buffers.streams import streams_for
 from hfsdp.core.engine.dtensor import flat_dtensor
+from hfsdp.core.engine.fp8_weights import fp8_gathered_weights
 from hfsdp.core.engine.mesh import HybridMeshes
 from hfsdp.core.engine.step import Accumulation, StepContext, StepPhase
 from hfsdp.core.engine.unit import SHARDING_ATTRIBUTE, ShardedUnit, unit_class
@@ -88,6 +89,7 @@ class Sharding:
         diloco: DiLoCoConfig | None = None,
         offload_reserve: int | None = None,
         optimizer_state_bytes: float = 8.0,
+        fp8_param_gather: bool = False,
     ):
         self.module, self.config, self.meshes, self.mp = module, config, meshes, mp
         self.expert_naming = expert_naming
@@ -104,6 +106,8 @@ class Sharding:
         self.weights_pending = False  # `materialize` gave the groups zeros that no load has replaced yet
         units = list(units)
         locations = _locations(module)
+        #: the weights gathered in fp8 (`fp8_gather.py`): ids of parameters
+        self.fp8_params: set[int] = fp8_gathered_weights(module, units, locations) if fp8_param_gather else set()
         # Each parameter goes to the innermost unit that holds it (`unit_tree.py`); the root takes the rest.
         unit_names = check_unit_modules(module, units)
         unit_params = claim_parameters(module, units, unit_names)
@@ -182,11 +186,12 @@ class Sharding:
     def _make_groups(
         self, params, locations, is_expert, unit_index: int, offload: bool, frozen: bool = False
     ) -> list[FlatParamGroup]:
-        buckets: dict[tuple[bool, torch.dtype], list] = {}
+        buckets: dict[tuple[bool, torch.dtype, bool], list] = {}
         for name, param in params:
-            buckets.setdefault((is_expert(name, param), param.dtype), []).append((name, param))
+            key = (is_expert(name, param), param.dtype, id(param) in self.fp8_params)
+            buckets.setdefault(key, []).append((name, param))
         groups = []
-        for (expert, _), members in buckets.items():
+        for (expert, _, fp8), members in buckets.items():
             if expert and self.meshes.expert is None:
                 raise ValueError(
                     f"parameter '{members[0][0]}' is an expert parameter but the config has no experts; "
@@ -212,6 +217,7 @@ class Sharding:
                 streams=self.streams,
                 offload=offload,
                 frozen=frozen,
+                fp8=fp8,
             )
             groups.append(group)
         return groups
