@@ -3,9 +3,9 @@
 The config rules (`train_config.resolve`) judge values; these checks judge the world the
 run will meet: that `--load` is a sound checkpoint of this model, that `--save`, `--metrics`,
 `--tensorboard-dir` and `--profile-dir` can be written (TensorBoard's package there), that no save would
-collide with a published step, that the dataset and the device exist. Each takes seconds at
-most, so a mistake costs a message instead of a minute of spawning ranks and two torch
-tracebacks. Every problem is reported at once, under the flag that caused it.
+collide with a published step, that the dataset and the device exist (for fp8, GPUs with fp8 tensor cores:
+`fp8_device.py`). Each takes seconds at most, so a mistake costs a message instead of a minute of spawning ranks
+and two torch tracebacks. Every problem is reported at once, under the flag that caused it.
 """
 
 from __future__ import annotations
@@ -145,6 +145,12 @@ def _device(cfg: TrainConfig, local_ranks: int, problems: list[Problem]) -> None
                 "run trains on the CPU, which has none (every step runs in order); drop --overlap-step.",
             )
         )
+    if cfg.fp8 is not None and gpus:
+        from hfsdp.cli.checks import fp8_device
+
+        given = cfg.given.get("fp8")
+        said, name = (given.said(), given.spelled) if given else (f"--fp8-format {shown(cfg.fp8)}", "--fp8-format")
+        problems += [Problem(name, message) for message in fp8_device.problems(said, name, local_ranks)]
     if gpus and local_ranks > gpus:
         problems.append(
             Problem(

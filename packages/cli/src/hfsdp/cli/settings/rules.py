@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hfsdp.cli.settings.fp8_rules import FP8_CHECKS
 from hfsdp.cli.settings.setting import parse_step_range
 from hfsdp.cli.settings.settings import DILOCO_SETTINGS, GPT_SETTINGS, PRECISION_DTYPES
 from hfsdp.models import sizes
@@ -410,6 +411,7 @@ RULES: tuple[Rule, ...] = (
         ("use_precision_aware_optimizer", "optimizer", "adam_kernel", "outer"),
         _precision_aware_optimizer_is_fused_adamw,
     ),
+    *(Rule(names, check) for names, check in FP8_CHECKS),
     Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("profile_steps", "profile_dir", "steps"), _profile_steps_within_run),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),

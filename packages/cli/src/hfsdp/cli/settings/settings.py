@@ -52,10 +52,26 @@ MAIN_PARAMS_DTYPES = ("fp32", "fp16")
 MOMENT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 #: The precision settings, each fp32 by default and non-fp32 only with use_precision_aware_optimizer (Megatron's rule).
 PRECISION_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+#: FP8 training (Megatron's `--fp8-format`, `--fp8-recipe`): core's `fp8.config.FORMATS` and `RECIPES`, kept here as
+#: text so that nothing here imports core's fp8 package (hybrid: e4m3 forward, e5m2 gradients).
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "rowwise")
 #: DiLoCo's settings (`--outer diloco`), by TrainConfig name (the flag's) -> DiLoCoConfig field.
 DILOCO_SETTINGS = {flag[2:].replace("-", "_"): field for field, (_, flag) in CONFIG_KEYS.items()}
 #: The settings that shape the megatron-core GPT; a Hugging Face config (--model-config) replaces them all.
 GPT_SETTINGS = ("layers", "hidden", "heads", "vocab", "normalization", "swiglu", "num_query_groups", "num_moe_experts")
+
+
+def _fp8_choice(choices: tuple[str, ...], means: str) -> Check:
+    """`one_of(choices)` whose refusal also says what the choices mean (Megatron has recipes hfsdp has not), unless
+    it guesses a typo."""
+    choose = one_of(*choices)
+
+    def check(value: object) -> str | None:
+        wrong = choose(value)
+        return wrong if wrong is None or "did you mean" in wrong else f"{wrong} ({means})"
+
+    return check
 
 
 def _layout(name: str, flag: str | None, default: Any, type_: type, help_text: str, **kw) -> Setting:
@@ -315,6 +331,38 @@ SETTINGS: tuple[Setting, ...] = (
         one_of(*MOMENT_DTYPES),
         key="train.exp_avg_sq_dtype",
         panel="Optimizer precision",
+    ),
+    Setting(
+        "fp8",
+        "--fp8-format",
+        None,
+        str,
+        f"FP8 matmuls in the Linear layers of the transformer layers (a Hugging Face model, --dtype bf16): "
+        f"{', '.join(FP8_FORMATS)} (hybrid: e4m3 forward, e5m2 gradients).",
+        _fp8_choice(FP8_FORMATS, "e4m3 for every tensor, or hybrid: e4m3 forward, e5m2 gradients; unset: no fp8"),
+        key="model.fp8",
+        panel="FP8",
+        default_text="off",
+    ),
+    Setting(
+        "fp8_recipe",
+        "--fp8-recipe",
+        "tensorwise",
+        str,
+        f"How fp8 scales are taken: {', '.join(FP8_RECIPES)} (one scale per tensor, or per row).",
+        _fp8_choice(FP8_RECIPES, "one scale per tensor, or one per row; hfsdp has no delayed, blockwise or mxfp8"),
+        key="model.fp8_recipe",
+        panel="FP8",
+    ),
+    Setting(
+        "fp8_param_gather",
+        "--fp8-param-gather",
+        False,
+        bool,
+        "Gather the converted weights in fp8 (half bf16's bytes), quantized on their shards; tensorwise only.",
+        boolean,
+        key="ddp.fp8_param_gather",
+        panel="FP8",
     ),
     Setting(
         "overlap_step",

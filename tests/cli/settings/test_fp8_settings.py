@@ -1,0 +1,245 @@
+"""FP8 training's settings (issue 39): Megatron's flags and keys, the rules before launch (exit 1, one paragraph
+naming the flag or key and the fix), the GPU check (fp8 tensor cores from compute capability 8.9), and what an
+accepted value asks of the model's build."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hfsdp.cli.main import app
+from hfsdp.cli.settings.settings import BY_NAME, FP8_FORMATS, FP8_RECIPES
+from hfsdp.cli.settings.train_config import build_file_config, build_train_config
+from hfsdp.core.rules.config import ConfigError
+
+from tests.support.runs import LLAMA
+
+runner = CliRunner()
+FP8 = {"fp8": "hybrid", "dtype": "bf16"}
+
+
+@pytest.fixture
+def llama(tmp_path) -> str:
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(LLAMA))
+    return str(path)
+
+
+def _problems(flags: dict) -> dict[str, str]:
+    with pytest.raises(ConfigError) as err:
+        build_train_config({"device": "cpu", **flags})
+    found = {}
+    for p in err.value.problems:
+        assert p.field not in found, f"two problems under {p.field}: {found[p.field]} / {p.message}"
+        found[p.field] = p.message
+    return found
+
+
+def _validate(tmp_path, sections: dict):
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps({"parallel": {"world_size": 2}, **sections}))
+    result = runner.invoke(app, ["validate-config", str(path), "--format", "json"])
+    return result, {e["field"]: e["message"] for e in json.loads(result.output)["errors"]}
+
+
+def test_the_settings_are_megatrons_flags_and_keys_off_by_default():
+    spelled = {name: (BY_NAME[name].flag, BY_NAME[name].key) for name in ("fp8", "fp8_recipe", "fp8_param_gather")}
+    assert spelled == {
+        "fp8": ("--fp8-format", "model.fp8"),
+        "fp8_recipe": ("--fp8-recipe", "model.fp8_recipe"),
+        "fp8_param_gather": ("--fp8-param-gather", "ddp.fp8_param_gather"),
+    }
+    cfg = build_train_config({"device": "cpu"})
+    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_param_gather) == (None, "tensorwise", False)
+
+
+def test_the_cli_names_are_cores():
+    """settings.py keeps the choices as text (no import of core's fp8 package); they are core's Float8Config's."""
+    from hfsdp.core.fp8.config import FORMATS, RECIPES
+
+    assert FP8_FORMATS == FORMATS and FP8_RECIPES == RECIPES
+
+
+def test_a_hugging_face_run_in_bf16_accepts_every_valid_combination(llama):
+    for fmt, recipe, gather in [("hybrid", None, True), ("e4m3", "tensorwise", False), ("e4m3", "rowwise", False)]:
+        flags = {"device": "cpu", "model_config": llama, "dtype": "bf16", "fp8": fmt, "fp8_recipe": recipe}
+        cfg = build_train_config({**flags, "fp8_param_gather": gather})
+        assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_param_gather) == (fmt, recipe or "tensorwise", gather)
+
+
+def test_an_unknown_format_or_recipe_is_refused_with_what_each_means(llama):
+    problems = _problems({**FP8, "model_config": llama, "fp8": "e5m2", "fp8_recipe": "delayed"})
+    assert problems["--fp8-format"] == (
+        "--fp8-format must be one of e4m3, hybrid (e4m3 for every tensor, or hybrid: e4m3 forward, e5m2 gradients; "
+        "unset: no fp8); got 'e5m2'."
+    )
+    assert problems["--fp8-recipe"].startswith("--fp8-recipe must be one of tensorwise, rowwise (one scale per ")
+    assert "hfsdp has no delayed, blockwise or mxfp8" in problems["--fp8-recipe"]
+    typo = _problems({**FP8, "model_config": llama, "fp8": "hybird"})
+    assert typo == {"--fp8-format": "--fp8-format must be one of e4m3, hybrid (did you mean hybrid?); got 'hybird'."}
+
+
+@pytest.mark.parametrize("name", ["fp8_recipe", "fp8_param_gather"])
+def test_a_recipe_or_the_fp8_gather_without_a_format_is_refused(name, llama):
+    flag = BY_NAME[name].flag
+    value = True if name == "fp8_param_gather" else "rowwise"
+    (message,) = _problems({"model_config": llama, "dtype": "bf16", name: value}).values()
+    assert message.startswith(f"{flag} ") and "but fp8 is off (--fp8-format is not set)" in message
+    assert message.endswith(f"turn it on with --fp8-format hybrid (or e4m3), or drop {flag}.")
+    # A recipe given at all would be ignored, the default's too; the gather switched off by hand says nothing.
+    assert list(_problems({"fp8_recipe": "tensorwise"})) == ["--fp8-recipe"]
+    build_train_config({"device": "cpu", "fp8_param_gather": False})
+
+
+def test_the_fp8_gather_needs_the_tensorwise_recipe(llama):
+    (message,) = _problems(
+        {**FP8, "model_config": llama, "fp8": "e4m3", "fp8_recipe": "rowwise", "fp8_param_gather": True}
+    ).values()
+    assert message.startswith("--fp8-param-gather true gathers each weight already quantized on its shard")
+    assert "but --fp8-recipe 'rowwise' takes one per row" in message
+    assert message.endswith("use --fp8-recipe tensorwise, or drop --fp8-param-gather.")
+
+
+def test_rowwise_has_no_hybrid_form(llama):
+    (message,) = _problems({**FP8, "model_config": llama, "fp8_recipe": "rowwise"}).values()
+    assert message.startswith("--fp8-format 'hybrid' keeps gradients in e5m2, but --fp8-recipe 'rowwise'")
+    assert "as torchao's rowwise recipe does" in message
+    assert message.endswith("use --fp8-format e4m3 with rowwise, or --fp8-recipe tensorwise with hybrid.")
+
+
+def test_fp8_needs_bf16_compute(llama):
+    (message,) = _problems({"fp8": "e4m3", "model_config": llama}).values()
+    assert message.startswith("--fp8-format 'e4m3' needs bf16 compute, but --dtype 'fp32' (the default)")
+    assert message.endswith("add --dtype bf16, or drop --fp8-format.")
+
+
+def test_fp8_is_refused_on_the_megatron_gpt():
+    (message,) = _problems(FP8).values()
+    assert message.startswith("--fp8-format 'hybrid' converts the nn.Linear layers of a Hugging Face model, but")
+    assert "megatron's own parallel linears, which need TransformerEngine for fp8" in message
+    assert message.endswith("(--model-config PATH/config.json), or drop --fp8-format.")
+
+
+def test_config_file_keys_are_refused_by_key_with_exit_1(tmp_path, llama):
+    cases = [
+        ({"model": {"fp8_recipe": "rowwise"}}, "model.fp8_recipe", "turn it on with model.fp8: hybrid (or e4m3)"),
+        ({"ddp": {"fp8_param_gather": True}}, "ddp.fp8_param_gather", "or drop ddp.fp8_param_gather."),
+        ({"model": {"fp8": "e5m2"}}, "model.fp8", "model.fp8 must be one of e4m3, hybrid"),
+        (
+            {
+                "model": {"fp8": "e4m3", "fp8_recipe": "rowwise", "hf_config": llama},
+                "ddp": {"fp8_param_gather": True},
+                "train": {"dtype": "bf16"},
+            },
+            "ddp.fp8_param_gather",
+            "use model.fp8_recipe: tensorwise, or drop ddp.fp8_param_gather.",
+        ),
+        (
+            {"model": {"fp8": "hybrid", "fp8_recipe": "rowwise", "hf_config": llama}, "train": {"dtype": "bf16"}},
+            "model.fp8",
+            "use model.fp8: e4m3 with rowwise, or model.fp8_recipe: tensorwise with hybrid.",
+        ),
+        ({"model": {"fp8": "hybrid", "hf_config": llama}}, "model.fp8", "add train.dtype: bf16, or drop model.fp8."),
+        (
+            {"model": {"fp8": "hybrid"}, "train": {"dtype": "bf16"}},
+            "model.fp8",
+            "train a Hugging Face model instead (model.hf_config: PATH/config.json), or drop model.fp8.",
+        ),
+    ]
+    for sections, key, needle in cases:
+        result, errors = _validate(tmp_path, sections)
+        assert result.exit_code == 1, result.output
+        assert list(errors) == [key] and needle in errors[key], (sections, errors)
+
+
+def test_a_valid_file_lists_the_settings_and_train_reads_the_same(tmp_path, llama):
+    sections = {"model": {"fp8": "e4m3", "fp8_recipe": "tensorwise", "hf_config": llama},
+                "ddp": {"fp8_param_gather": True}, "train": {"dtype": "bf16"}}  # fmt: skip
+    result, errors = _validate(tmp_path, sections)
+    assert result.exit_code == 0 and not errors, result.output
+    settings = json.loads(result.output)["summary"]["settings"]
+    assert settings["model.fp8"] == {"value": "e4m3", "default": False}
+    assert settings["ddp.fp8_param_gather"] == {"value": True, "default": False}
+    cfg = build_file_config(str(tmp_path / "run.yaml"))
+    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_param_gather) == ("e4m3", "tensorwise", True)
+    # `model: fp8: null` is fp8 off, as leaving it out.
+    result, _ = _validate(tmp_path, {"model": {"fp8": None}})
+    assert result.exit_code == 0, result.output
+
+
+def test_train_refuses_before_any_rank_starts_with_exit_1(llama):
+    result = runner.invoke(app, ["train", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise", "--dtype", "bf16",
+                                 "--model-config", llama, "--device", "cpu", "--nproc", "2"])  # fmt: skip
+    assert result.exit_code == 1
+    assert result.output.startswith("error: --fp8-format 'hybrid' keeps gradients in e5m2")
+    assert "Traceback" not in result.output and "starting" not in result.output
+
+
+# The GPU: fp8 tensor cores from compute capability 8.9 ------------------------------------------------------------
+
+
+def test_the_capability_decision():
+    from hfsdp.cli.checks.fp8_device import fp8_refusal
+
+    for capability in [(8, 9), (9, 0), (10, 0), (12, 0)]:
+        assert fp8_refusal(capability, "NVIDIA H200", "--fp8-format 'hybrid'") is None
+    for capability in [(8, 0), (8, 6), (7, 5)]:
+        message = fp8_refusal(capability, "NVIDIA A100-SXM4-80GB", "--fp8-format 'hybrid'")
+        assert message.startswith("--fp8-format 'hybrid' needs fp8 tensor cores, which GPUs have from compute ")
+        assert f"this machine's NVIDIA A100-SXM4-80GB has {capability[0]}.{capability[1]}" in message
+        assert "drop --fp8-format" in message
+    assert "drop model.fp8" in fp8_refusal((8, 0), "A100", "model.fp8 'e4m3'", "model.fp8")
+
+
+def _gpus(monkeypatch, capabilities: list[tuple[int, int]]) -> None:
+    """Pretend this machine has GPUs of these capabilities (the pre-launch checks only ask torch about them)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capabilities[i])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"GPU{i} sm{''.join(map(str, capabilities[i]))}")
+
+
+def test_train_refuses_fp8_on_a_gpu_without_fp8_before_launch(monkeypatch, llama):
+    """The check runs with the other device checks (preflight: exit 2, as a device that cannot be used), names the
+    GPU, and looks at every GPU this machine's ranks use; a GPU run without fp8 is not asked about capability."""
+    from hfsdp.cli.checks.preflight import PreflightError, preflight
+
+    flags = {**FP8, "model_config": llama, "device": "cuda", "nproc": 2}
+    _gpus(monkeypatch, [(9, 0), (8, 0)])
+    with pytest.raises(PreflightError) as err:
+        preflight(build_train_config(flags))
+    ((field, message),) = [(p.field, p.message) for p in err.value.problems]
+    assert field == "--fp8-format" and "this machine's GPU1 sm80 has 8.0" in message
+    preflight(build_train_config({**flags, "fp8": None}))  # bf16 on the same GPUs: fine
+    preflight(build_train_config({**flags, "nproc": 1}))  # the rank on GPU 0 (9.0) alone: fine
+
+    result = runner.invoke(app, ["train", "--fp8-format", "hybrid", "--dtype", "bf16", "--model-config", llama,
+                                 "--device", "cuda", "--nproc", "2"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: --fp8-format 'hybrid' needs fp8 tensor cores")
+    assert "Traceback" not in result.output and "starting" not in result.output
+
+
+def test_a_cpu_run_takes_fp8_whatever_the_gpus(monkeypatch, llama):
+    from hfsdp.cli.checks.preflight import preflight
+
+    _gpus(monkeypatch, [(8, 0)])
+    preflight(build_train_config({**FP8, "model_config": llama, "device": "cpu", "nproc": 2}))
+
+
+# What the build asks of core -------------------------------------------------------------------------------------
+
+
+def test_fully_shard_is_asked_for_the_fp8_gather_only_when_fp8_is_on(llama):
+    from hfsdp.cli.rank.build_model import convert_fp8, fp8_shard_options
+
+    off = build_train_config({"device": "cpu", "model_config": llama})
+    assert fp8_shard_options(off) == {} and convert_fp8(off, None, []) is None
+    on = build_train_config({**FP8, "device": "cpu", "model_config": llama, "fp8_param_gather": True})
+    assert fp8_shard_options(on) == {"fp8_param_gather": True}
+    on = build_train_config({**FP8, "device": "cpu", "model_config": llama})
+    assert fp8_shard_options(on) == {"fp8_param_gather": False}
