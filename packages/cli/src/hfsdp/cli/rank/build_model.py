@@ -3,7 +3,9 @@
 Either way the result is the same few things the loop needs: the sharded model,
 its loss on a microbatch, the vocabulary its data must stay within, and the model
 record a checkpoint keeps (so an export knows what it holds). Units are the
-transformer layers in both; `--recompute` and `--compile` wrap their forwards.
+transformer layers in both; `--recompute` and `--compile` wrap their forwards. With `--fp8-format` (a Hugging Face
+model only: the rules refuse the GPT) the units' Linear layers become fp8 ones first, so that compile and recompute
+wrap the layers that run, and the conversion's one-line summary travels with the model for rank 0 to print.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class BuiltModel:
     loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
     vocab_size: int
     record: dict[str, Any]
+    fp8_summary: str | None = None  # what --fp8-format converted, for the start of the run's output
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> BuiltModel:
@@ -60,6 +63,22 @@ def optimizer_state_bytes(cfg: TrainConfig) -> float:
     return state_bytes_per_element(cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype)
 
 
+def convert_fp8(cfg: TrainConfig, model, units):
+    """--fp8-format: swap the nn.Linear layers inside `units` for fp8 ones in place (same parameter names, so
+    checkpoints and exports are unchanged); the `Float8Conversion`, or None when fp8 is off."""
+    if cfg.fp8 is None:
+        return None
+    from hfsdp.core.fp8.config import Float8Config
+    from hfsdp.core.fp8.convert import convert_to_float8
+
+    return convert_to_float8(model, Float8Config(format=cfg.fp8, recipe=cfg.fp8_recipe), units=units)
+
+
+def fp8_shard_options(cfg: TrainConfig) -> dict[str, Any]:
+    """`fully_shard`'s fp8 keyword, given only when fp8 is on (a run without fp8 asks nothing of it)."""
+    return {"fp8_param_gather": cfg.fp8_param_gather} if cfg.fp8 is not None else {}
+
+
 def _wrap_units(cfg: TrainConfig, units) -> None:
     from hfsdp.core.engine.unit_forward import compile_units, recompute
 
@@ -77,6 +96,7 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
     config = hf.load_config(cfg.model_config)
     model = hf.build_causal_lm(config, seed=cfg.seed).to(device)
     units = hf.decoder_layers(model)
+    fp8 = convert_fp8(cfg, model, units)
     _wrap_units(cfg, units)
     meshes = build_meshes(cfg.layout, device.type)
     # The loss is computed outside the model, on its logits: free the root's parameters while it peaks.
@@ -90,9 +110,11 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
         optimizer_state_bytes=optimizer_state_bytes(cfg),
         reshard_root_after_forward=True,
         diloco=cfg.diloco,
+        **fp8_shard_options(cfg),
     )
     record = {"format": "transformers", "config": config.to_dict()}
-    return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record)
+    summary = fp8.summary() if fp8 is not None else None
+    return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record, summary)
 
 
 def _megatron_gpt(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:

@@ -85,6 +85,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     run_dir = os.environ.get(RUN_DIR_ENV)
     beat = Heartbeat(cfg.step_timeout, rank, cfg.save, run_dir)
     built = build_model(cfg, device)
+    if rank == 0 and built.fp8_summary is not None:
+        say(built.fp8_summary)
     sharded = built.sharded
     throughput = Throughput.of(cfg, device)
     opt = _optimizer(cfg, param_groups(sharded, cfg.weight_decay), device)
