@@ -1,0 +1,50 @@
+"""`hfsdp train --device cpu` with fp8 (issue 39): a tiny Hugging Face Llama's Linear layers multiply in fp8
+(`torch._scaled_mm` runs on the CPU), the start says how many were converted, and the run trains to the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+
+from tests.support.runs import HFSDP, LLAMA, records
+
+#: One key/value head of 8 channels: k_proj and v_proj have 8 outputs, not a multiple of 16, and stay bf16.
+ONE_KV_HEAD = {**LLAMA, "num_key_value_heads": 1}
+#: Linear layers in the units: q, k, v, o, gate, up, down in each of the 2 layers; k and v stay bf16.
+CONVERTED, LINEARS = 10, 14
+
+
+def _train(tmp_path, *fp8: str) -> tuple[subprocess.CompletedProcess, list[float]]:
+    config, metrics = tmp_path / "llama.json", tmp_path / "metrics.jsonl"
+    config.write_text(json.dumps(ONE_KV_HEAD))
+    args = ["--model-config", str(config), "--seq-len", "16", "--device", "cpu", "--nproc", "2", "--dtype", "bf16",
+            "--steps", "8", "--lr", "1e-2", "--metrics", str(metrics), *fp8]  # fmt: skip
+    done = subprocess.run([HFSDP, "train", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done, [r["loss"] for r in records(metrics)]
+
+
+def _summary(stdout: str, fmt: str, recipe: str) -> str:
+    (line,) = [x for x in stdout.splitlines() if x.startswith("fp8 (")]  # printed once, by rank 0
+    assert line.startswith(f"fp8 ({fmt}, {recipe}): ")
+    found = re.search(r"(\d+) of (\d+) Linear layers", line)
+    assert found and (int(found[1]), int(found[2])) == (CONVERTED, LINEARS), line
+    return line
+
+
+def test_hybrid_fp8_converts_the_units_linears_says_so_and_trains(tmp_path):
+    done, losses = _train(tmp_path, "--fp8-format", "hybrid")
+    line = _summary(done.stdout, "hybrid", "tensorwise")
+    assert "16" in line.split(":", 1)[1]  # why k_proj and v_proj stay in bf16
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+    assert done.stdout.index(line) < done.stdout.index("done: ")
+
+
+def test_the_fp8_gather_trains_too(tmp_path):
+    done, losses = _train(tmp_path, "--fp8-format", "e4m3", "--fp8-param-gather")
+    _summary(done.stdout, "e4m3", "tensorwise")
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
