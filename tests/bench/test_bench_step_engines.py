@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import _megatron_fsdp  # noqa: E402
+import _step_model  # noqa: E402
 import bench_step  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def test_cast_parameters_leaves_buffers_in_their_dtype():
     """A Llama's rotary inverse frequencies are a buffer: in bf16 they moved a 3.0B model's first loss by 2e-3."""
     module = torch.nn.Linear(4, 4)
     module.register_buffer("inv_freq", torch.rand(4, dtype=torch.float32))
-    bench_step.cast_parameters(module, torch.bfloat16)
+    _step_model.cast_parameters(module, torch.bfloat16)
     assert module.weight.dtype == module.bias.dtype == torch.bfloat16
     assert module.inv_freq.dtype == torch.float32
     assert isinstance(module.weight, torch.nn.Parameter)
