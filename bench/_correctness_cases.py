@@ -30,7 +30,9 @@ STYLES = ("eager", "module", "fullgraph", "wrapper", "forward", "cli", "model")
 #: (FusedAdamW clipping inside its step and writing the next forward's gather input), "fused_clip_prestage_overlap"
 #: (and its step on a side stream, overlapping the next forward), "recompute"; and Megatron's precision-aware
 #: optimizer through FusedAdamW: `_bf16m` / `_fp8m` moments, `_bf16g` gradients reduced and read in bf16 (its
-#: reference steps the same FusedAdamW on gradients rounded to bf16).
+#: reference steps the same FusedAdamW on gradients rounded to bf16); and fp8 compute (issue 39): `fp8t` the units'
+#: Linear layers in fp8, hybrid tensorwise, gathered in fp8 (`fp8_param_gather`: on one GPU there is no gather, so
+#: it is the layers' own quantization), `fp8r` e4m3 rowwise; their reference converts the same layers.
 OPTIONS = (
     "",
     "offload",
@@ -40,7 +42,24 @@ OPTIONS = (
     "recompute",
     "fused_clip_prestage_bf16m_bf16g",
     "fused_clip_prestage_fp8m_bf16g",
+    "fp8t",
+    "fp8r",
 )
+FP8_OPTIONS = {"fp8t": ("hybrid", "tensorwise"), "fp8r": ("e4m3", "rowwise")}
+
+
+def convert_fp8(model, option: str):
+    """Convert the decoder layers' Linear layers to fp8 as `option` says (nothing for other options); before any
+    compile. Returns whether the weights may be gathered in fp8."""
+    if option not in FP8_OPTIONS:
+        return False
+    from hfsdp.core import Float8Config, convert_to_float8
+
+    fmt, recipe = FP8_OPTIONS[option]
+    convert_to_float8(model, Float8Config(fmt, recipe), units=list(model.model.layers))
+    return recipe == "tensorwise"
+
+
 PRECISION_SUFFIXES = ("_bf16m_bf16g", "_fp8m_bf16g")
 
 
@@ -108,7 +127,8 @@ class Case:
         """The reference case this one must agree with: the same kernels (compiled ones round otherwise than eager
         ones) and the same optimizer kernel; offload and recompute change neither."""
         fused = "fused" + precision_of(self.option) if self.option.startswith("fused") else ""
-        return Case("reference", self.kernels, fused).name
+        fp8 = self.option if self.option in FP8_OPTIONS else ""
+        return Case("reference", self.kernels, fused or fp8).name
 
 
 def build_llama(shape: Shape, device: torch.device):
@@ -219,6 +239,7 @@ class Reference:
         del fp32
         for p in self.model.parameters():  # the parameters only: buffers (RoPE's inv_freq) stay fp32, as in hfsdp
             p.data = p.data.to(torch.bfloat16)
+        convert_fp8(self.model, case.option)
         compile_units(self.model, case.style)
         if case.style == "model":
             self.model.compile()
@@ -308,6 +329,7 @@ class Hfsdp:
 
         self.shape, self.option = shape, case.option
         model = build_llama(shape, device)
+        fp8_gather = convert_fp8(model, case.option)
         compile_units(model, case.style)
         if case.option == "recompute":
             recompute(model.model.layers)
@@ -323,6 +345,7 @@ class Hfsdp:
                 reduce_dtype=torch.bfloat16 if case.option.endswith("_bf16g") else torch.float32,
             ),
             offload=case.option == "offload",
+            fp8_param_gather=fp8_gather,
         )
         if case.style == "model":
             self.model.compile()

@@ -76,6 +76,7 @@ def hfsdp_cases(styles, options) -> list[Case]:
     cases += [Case("hfsdp", "eager", o) for o in options]
     if "module" in styles and "recompute" in options:
         cases.append(Case("hfsdp", "module", "recompute"))
+    cases += [Case("hfsdp", "module", o) for o in ("fp8t", "fp8r") if "module" in styles and o in options]
     return cases
 
 
