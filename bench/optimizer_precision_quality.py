@@ -1,11 +1,13 @@
-"""Optimizer-state precision against quality (issue 38, item 5): eval loss of a small Llama, fp32 state vs the rest.
+"""Precision against quality: eval loss of a small Llama, the baseline vs optimizer-state precision (issue 38,
+item 5) and vs fp8 compute (issue 39, item 5).
 
 Every run trains the same model (`diloco_data.Llama`: RMSNorm, rotary, SwiGLU, untied embeddings; by default 4
 layers, hidden 192, 6 heads, SwiGLU 512, vocabulary 256: 1.9M parameters) on the same bytes (per seed: the same
 random windows of the standard library's `.py` files; every 20th file held out for evaluation), sharded with
 `hfsdp.core.fully_shard` on a one-rank gloo group with `MixedPrecision(param_dtype=torch.bfloat16)` (bf16 compute,
 fp32 masters), and stepped by `FusedAdamW(backend="torch")`: the CPU path that computes the GPU kernel's
-operations in the same order. What changes between settings is only what issue 38 adds:
+operations in the same order (`--device cuda`: the Triton kernel, see below). What changes between settings is only
+what issue 38 or issue 39 adds. Issue 38, optimizer-state precision (the default `--settings`):
 
     setting                  gradients (reduce_dtype)  exp_avg   exp_avg_sq  Megatron's flags
     fp32                     fp32                      fp32      fp32        (the default)
@@ -14,6 +16,26 @@ operations in the same order. What changes between settings is only what issue 3
     bf16 grads               bf16                      fp32      fp32        --main-grads-dtype bf16
     bf16 grads+moments       bf16                      bf16      bf16        all three bf16 (Megatron's "together")
     bf16 grads+fp8 moments   bf16                      fp8       fp8         the same with fp8 moments
+
+Issue 39, fp8 compute: `hfsdp.core.convert_to_float8(model, Float8Config(format, recipe), units=model.layers)`
+before `fully_shard` turns the transformer layers' Linear layers (qkv, proj, gate_up, down) into `Float8Linear`
+(`torch._scaled_mm`); the embedding, norms and output layer stay bf16. Optimizer state and gradients as fp32's:
+
+    setting                  Float8Config                             hfsdp train's flags
+    bf16                     none (the same run as fp32: bf16 compute, fp32 state; the fp8 rows' baseline)
+    fp8 tensorwise hybrid    format="hybrid", recipe="tensorwise"     --fp8-format hybrid
+    fp8 tensorwise e4m3      format="e4m3", recipe="tensorwise"       --fp8-format e4m3
+    fp8 rowwise e4m3         format="e4m3", recipe="rowwise"          --fp8-format e4m3 --fp8-recipe rowwise
+
+Each run's JSON line records the conversion's one-line summary. The fp8 gather (`fp8_param_gather`) is not a
+setting: the runs are on one rank, where nothing is gathered, and it is bit-identical to tensorwise where it is
+(tests/core/fp8/test_fp8_gather.py).
+
+`--device cuda` runs the same on GPU 0 (one rank, an NCCL group): the model built on the GPU, bf16 compute as above,
+`FusedAdamW(backend="auto")` (the Triton kernel), the step times measured between `torch.cuda.synchronize()` calls
+and the peak memory recorded; the model-size flags (`--layers --hidden --heads --ffn --seq --rows`) give the 0.95B
+shape. `--dry-run` builds each setting's model on the meta device, converts it, and prints one JSON line per setting
+(device, process group, optimizer backend, parameters, conversion summary) without training or needing a GPU.
 
 The optimizer's other settings are `hfsdp train`'s (FusedAdamW's defaults: betas 0.9/0.999, eps 1e-8, weight
 decay 0.01; clip 1.0 inside the step), since the question is what `hfsdp train` may default to; `--beta2` changes
@@ -27,12 +49,14 @@ flushed as it ends. `--report FILE...` reads such lines and prints the table: me
 setting and schedule, and whether each mean is within fp32's seed-to-seed range (min to max).
 
     python bench/optimizer_precision_quality.py --settings fp32 "bf16 moments" --seeds 0 1 2 --out a.jsonl
+    python bench/optimizer_precision_quality.py --settings bf16 "fp8 tensorwise hybrid" --seeds 0 --out c.jsonl
     python bench/optimizer_precision_quality.py --report a.jsonl b.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -55,9 +79,11 @@ class Setting:
     grads: str  # the gradient buffer's dtype (MixedPrecision.reduce_dtype)
     exp_avg: str
     exp_avg_sq: str
+    fp8_format: str | None = None  # Float8Config(format=...) for the units' Linear layers; None: bf16 compute
+    fp8_recipe: str | None = None
 
 
-SETTINGS = [
+OPTIMIZER_SETTINGS = [
     Setting("fp32", "fp32", "fp32", "fp32"),
     Setting("bf16 moments", "fp32", "bf16", "bf16"),
     Setting("fp8 moments", "fp32", "fp8", "fp8"),
@@ -65,8 +91,15 @@ SETTINGS = [
     Setting("bf16 grads+moments", "bf16", "bf16", "bf16"),
     Setting("bf16 grads+fp8 moments", "bf16", "fp8", "fp8"),
 ]
+FP8_SETTINGS = [
+    Setting("bf16", "fp32", "fp32", "fp32"),
+    Setting("fp8 tensorwise hybrid", "fp32", "fp32", "fp32", "hybrid", "tensorwise"),
+    Setting("fp8 tensorwise e4m3", "fp32", "fp32", "fp32", "e4m3", "tensorwise"),
+    Setting("fp8 rowwise e4m3", "fp32", "fp32", "fp32", "e4m3", "rowwise"),
+]
+SETTINGS = OPTIMIZER_SETTINGS + FP8_SETTINGS
 BY_NAME = {s.name: s for s in SETTINGS}
-REFERENCE = "fp32"
+BASELINES = ("fp32", "bf16")  # the same run under two names: bf16 compute, fp32 gradients and optimizer state
 TRAIN_EVERY = 50  # the train loss of every this many steps is recorded
 
 
@@ -74,7 +107,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--report", nargs="+", metavar="JSONL", help="print the table of these result files and exit")
     p.add_argument("--decay-probe", action="store_true", help="print how each moment dtype tracks a drop of E[g^2]")
-    p.add_argument("--settings", nargs="+", default=[s.name for s in SETTINGS], choices=list(BY_NAME))
+    p.add_argument("--settings", nargs="+", default=[s.name for s in OPTIMIZER_SETTINGS], choices=list(BY_NAME))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--schedule", choices=("cosine", "lowlr"), default="cosine")
@@ -90,12 +123,15 @@ def parse_args(argv=None):
     )
     p.add_argument("--eval-rows", type=int, default=256)
     p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-batch", type=int, default=32, help="held-out rows per evaluation forward")
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one rank on GPU 0")
+    p.add_argument("--dry-run", action="store_true", help="print each setting's plan (no training, no GPU needed)")
     p.add_argument("--out", default="optimizer_precision.jsonl")
     args = p.parse_args(argv)
     args.shape = Shape(hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, vocab=256, seq=args.seq)
@@ -116,48 +152,107 @@ def _dtype(name: str) -> torch.dtype | str:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(name, name)
 
 
+def plan(args) -> dict:
+    """Where and how the runs compute: the same for every setting, and what --dry-run prints."""
+    cuda = args.device == "cuda"
+    return {
+        "device": "cuda:0" if cuda else "cpu",
+        "process_group": "nccl" if cuda else "gloo",
+        # the GPU's fused kernel ("auto": Triton there); on the CPU the torch path of the same arithmetic
+        "optimizer_backend": "auto" if cuda else "torch",
+        "compute": "bf16",
+    }
+
+
+def convert(model, setting: Setting):
+    """The fp8 conversion of the model's transformer layers (in place), or None for bf16 compute."""
+    if setting.fp8_format is None:
+        return None
+    from hfsdp.core import Float8Config, convert_to_float8
+
+    config = Float8Config(format=setting.fp8_format, recipe=setting.fp8_recipe)
+    return convert_to_float8(model, config, units=list(model.layers))
+
+
 def build(args, setting: Setting, seed: int):
-    """The sharded model and its FusedAdamW for one run (world size 1: the process group must exist)."""
+    """The sharded model, its FusedAdamW and the fp8 summary (or None) for one run (world size 1: the process group
+    must exist)."""
     from hfsdp.core import FusedAdamW, LayoutConfig, MixedPrecision, build_meshes, fully_shard
 
+    where = plan(args)
     torch.manual_seed(seed)
-    model = Llama(args.shape)
+    with torch.device(where["device"]):
+        model = Llama(args.shape)
+    conversion = convert(model, setting)  # before fully_shard, as hfsdp train does
     cfg = LayoutConfig(world_size=1)
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=_dtype(setting.grads))
-    sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp)
+    sharded = fully_shard(model, cfg, build_meshes(cfg, args.device), units=list(model.layers), mp=mp)
     opt = FusedAdamW(
         sharded.parameters(),
         lr=args.lr,
         betas=(0.9, args.beta2),
         weight_decay=args.weight_decay,
         max_grad_norm=args.clip,
-        backend="torch",
+        backend=where["optimizer_backend"],
         exp_avg_dtype=_dtype(setting.exp_avg),
         exp_avg_sq_dtype=_dtype(setting.exp_avg_sq),
     )
-    return sharded, opt
+    return sharded, opt, None if conversion is None else conversion.summary()
+
+
+def dry_run(args) -> list[dict]:
+    """Each setting's plan, its model built on the meta device (no memory) and converted: nothing trains."""
+    lines = []
+    for name in args.settings:
+        setting = BY_NAME[name]
+        with torch.device("meta"):
+            model = Llama(args.shape)
+        conversion = convert(model, setting)
+        line = {
+            "setting": name,
+            **plan(args),
+            "shape": asdict(args.shape),
+            "params": sum(p.numel() for p in model.parameters()),
+            "tokens_per_step": args.rows * args.shape.seq,
+            "steps": args.steps,
+            "fp8": None if conversion is None else conversion.summary(),
+            "converted": [] if conversion is None else conversion.converted,
+        }
+        print(json.dumps({k: v for k, v in line.items() if k != "converted"}), flush=True)
+        lines.append(line)
+    return lines
 
 
 @torch.no_grad()
 def evaluate(model, held: torch.Tensor, args) -> float:
     tokens, labels = eval_windows(held, args.eval_rows, args.shape.seq)
     total = 0.0
-    for start in range(0, args.eval_rows, 32):
-        chunk = slice(start, start + 32)
-        total += model(tokens[chunk], labels[chunk]).float().item() * tokens[chunk].shape[0]
+    for start in range(0, args.eval_rows, args.eval_batch):
+        chunk = slice(start, start + args.eval_batch)
+        loss = model(tokens[chunk].to(args.device), labels[chunk].to(args.device))
+        total += loss.float().item() * tokens[chunk].shape[0]
     return total / args.eval_rows
+
+
+def _sync(args) -> None:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
 
 
 def train_run(args, setting: Setting, seed: int, data) -> dict:
     """Train one setting from one seed; its record (losses, evals, the dtypes the optimizer really kept)."""
     train, held = data
-    model, opt = build(args, setting, seed)
+    model, opt, fp8_summary = build(args, setting, seed)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(args, s))
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(args)
     began = time.perf_counter()
-    curve, evals, nonfinite = [], {}, 0
+    curve, evals, nonfinite, eval_seconds = [], {}, 0, 0.0
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         tokens, labels = batch(train, args.rows, args.shape.seq, gen)
+        tokens, labels = tokens.to(args.device), labels.to(args.device)
         if args.microbatches == 1:
             loss = model(tokens, labels)
             loss.backward()
@@ -176,12 +271,17 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
         if (step + 1) % TRAIN_EVERY == 0 or step == 0:
             curve.append([step + 1, value])
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            evals[step + 1] = evaluate(model, held, args)
+            eval_began = time.perf_counter()
+            evals[step + 1] = evaluate(model, held, args)  # its .item() waits for the device
+            eval_seconds += time.perf_counter() - eval_began
+    _sync(args)
     seconds = time.perf_counter() - began
     grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}  # what zero_grad left (usually none)
     return {
         "setting": setting.name,
         **{k: v for k, v in asdict(setting).items() if k != "name"},
+        "fp8_summary": fp8_summary,
+        **plan(args),
         "seed": seed,
         "schedule": args.schedule,
         "steps": args.steps,
@@ -205,6 +305,9 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
         "eval_loss": evals[args.steps],
         "nonfinite_train_losses": nonfinite,
         "seconds": seconds,
+        "eval_seconds": eval_seconds,
+        "seconds_per_step": (seconds - eval_seconds) / args.steps,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
     }
 
 
@@ -217,14 +320,23 @@ def run(args) -> list[dict]:
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
+    where = plan(args)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device here (--dry-run prints the plan without one)")
+        torch.cuda.set_device(0)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        device_id = torch.device(where["device"]) if args.device == "cuda" else None
+        dist.init_process_group(where["process_group"], rank=0, world_size=1, device_id=device_id)
     train, held, info = stdlib_bytes()
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Llama(args.shape).parameters())
+    chip = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or platform.machine()
     print(
-        f"corpus: {info}; model {sum(p.numel() for p in Llama(args.shape).parameters()) / 1e6:.2f}M parameters; "
-        f"torch {torch.__version__}; {platform.processor() or platform.machine()}; {args.threads} thread(s)",
+        f"corpus: {info}; model {params / 1e6:.2f}M parameters; torch {torch.__version__}; {chip}; "
+        f"{args.threads} thread(s); {where}",
         flush=True,
     )
     records = []
@@ -240,12 +352,20 @@ def run(args) -> list[dict]:
                 records.append(record)
                 curve = " ".join(f"{s}:{v:.3f}" for s, v in record["train_curve"])
                 evals = " ".join(f"{s}:{v:.4f}" for s, v in record["evals"].items())
+                memory = f", peak {record['peak_memory_gib']:.1f} GiB" if record["peak_memory_gib"] else ""
                 print(
                     f"{args.schedule} {name:<24} seed {seed}: eval {record['eval_loss']:.4f} "
-                    f"({record['seconds']:.0f} s, total {time.perf_counter() - started:.0f} s)\n"
-                    f"  evals {evals}\n  train {curve}",
+                    f"({record['seconds']:.0f} s, {record['seconds_per_step']:.3f} s/step{memory}, "
+                    f"total {time.perf_counter() - started:.0f} s)\n"
+                    + (f"  {record['fp8_summary']}\n" if record["fp8_summary"] else "")
+                    + f"  evals {evals}\n  train {curve}",
                     flush=True,
                 )
+                gc.collect()  # the run's model and optimizer, before the next one is built
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        dist.destroy_process_group()  # NCCL's, before the interpreter's exit
     return records
 
 
@@ -265,10 +385,12 @@ def load(paths) -> list[dict]:
 
 
 def summary(records: list[dict]) -> list[dict]:
-    """One row per (schedule, setting): eval loss mean, std, min, max over seeds, against fp32 of that schedule."""
+    """One row per (schedule, setting): eval loss mean, std, min, max over seeds, against the baseline of that
+    schedule (fp32, or the same run named bf16: whichever the records hold, fp32 first)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         schedule = r["schedule"] + (f", {r['microbatches']} microbatches" if r.get("microbatches", 1) > 1 else "")
+        schedule += f", {r['device']}" if r.get("device", "cpu") != "cpu" else ""
         schedule += f", beta2 {r['betas'][1]}" if r["betas"][1] != 0.999 else ""
         schedule += f", lr {r['lr']:g}" if r["lr"] != 2e-3 else ""
         groups.setdefault((schedule, r["setting"]), []).append(r)
@@ -294,34 +416,40 @@ def summary(records: list[dict]) -> list[dict]:
             row["low_phase_gain"] = statistics.fmean(r["evals"][str(low_after)] - r["eval_loss"] for r in runs)
         rows.append(row)
     for row in rows:
-        ref = next((r for r in rows if r["schedule"] == row["schedule"] and r["setting"] == REFERENCE), None)
+        same = [r for r in rows if r["schedule"] == row["schedule"]]
+        ref = next((r for name in BASELINES for r in same if r["setting"] == name), None)
+        row["baseline"] = None if ref is None else ref["setting"]
         if ref is None:
-            row["vs_fp32"] = row["within_fp32_range"] = None
+            row["vs_baseline"] = row["vs_baseline_pct"] = row["within_baseline_range"] = None
             continue
-        row["vs_fp32"] = row["mean"] - ref["mean"]
-        row["within_fp32_range"] = ref["min"] <= row["mean"] <= ref["max"]
-        fp32 = dict(zip(ref["seeds"], ref["eval_losses"], strict=True))
-        # this setting minus fp32, seed by seed (the same init and data)
-        row["paired_diffs"] = [loss - fp32[seed] for seed, loss in zip(row["seeds"], row["eval_losses"], strict=True)]
+        row["vs_baseline"] = row["mean"] - ref["mean"]
+        row["vs_baseline_pct"] = 100 * row["vs_baseline"] / ref["mean"]
+        row["within_baseline_range"] = ref["min"] <= row["mean"] <= ref["max"]
+        base = dict(zip(ref["seeds"], ref["eval_losses"], strict=True))
+        # this setting minus the baseline, seed by seed (the same init and data), where the baseline ran that seed
+        pairs = zip(row["seeds"], row["eval_losses"], strict=True)
+        row["paired_diffs"] = [loss - base[seed] for seed, loss in pairs if seed in base]
     return rows
 
 
 def table(rows: list[dict]) -> str:
+    """The rows as markdown; "base" is the schedule's baseline (fp32, or the same run named bf16)."""
     lines = [
-        "| schedule | setting | eval loss per seed | mean ± std | min - max | mean - fp32 | minus fp32, seed by seed "
-        "| within fp32's range | low-lr phase gain |",
-        "|---|---|---|---|---|---:|---|---|---:|",
+        "| schedule | setting | eval loss per seed | mean ± std | min - max | mean - base | (%) "
+        "| minus base, seed by seed | within base's range | low-lr phase gain |",
+        "|---|---|---|---|---|---:|---:|---|---|---:|",
     ]
     for r in rows:
-        reference = r["setting"] == REFERENCE or r["vs_fp32"] is None
-        within = "—" if r["setting"] == REFERENCE else {True: "yes", False: "**no**", None: "?"}[r["within_fp32_range"]]
-        vs = "—" if reference else f"{r['vs_fp32']:+.4f}"
+        reference = r["setting"] == r["baseline"] or r["vs_baseline"] is None
+        within = "—" if reference else {True: "yes", False: "**no**"}[r["within_baseline_range"]]
+        vs = "—" if reference else f"{r['vs_baseline']:+.4f}"
+        pct = "—" if reference else f"{r['vs_baseline_pct']:+.2f}%"
         paired = "—" if reference else ", ".join(f"{d:+.4f}" for d in r["paired_diffs"])
         gain = f"{r['low_phase_gain']:.4f}" if "low_phase_gain" in r else ""
         lines.append(
             f"| {r['schedule']} | {r['setting']} | {', '.join(f'{x:.4f}' for x in r['eval_losses'])} "
-            f"| {r['mean']:.4f} ± {r['std']:.4f} | {r['min']:.4f} - {r['max']:.4f} | {vs} | {paired} | {within} "
-            f"| {gain} |"
+            f"| {r['mean']:.4f} ± {r['std']:.4f} | {r['min']:.4f} - {r['max']:.4f} | {vs} | {pct} | {paired} "
+            f"| {within} | {gain} |"
         )
     return "\n".join(lines)
 
@@ -372,6 +500,9 @@ def main(argv=None) -> None:
         rows = summary(load(args.report))
         print(table(rows))
         print(json.dumps(rows, indent=1))
+        return
+    if args.dry_run:
+        dry_run(args)
         return
     began = time.perf_counter()
     run(args)
