@@ -248,7 +248,8 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
         torch.cuda.reset_peak_memory_stats()
     _sync(args)
     began = time.perf_counter()
-    curve, evals, nonfinite, eval_seconds = [], {}, 0, 0.0
+    curve, evals, nonfinite, eval_seconds, step_seconds = [], {}, 0, 0.0, []
+    last = began
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         tokens, labels = batch(train, args.rows, args.shape.seq, gen)
@@ -266,7 +267,8 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
         opt.step()
         opt.zero_grad()
         schedule.step()
-        value = loss.detach().float().item()
+        value = loss.detach().float().item()  # waits for the step: the steps' own times are wall times
+        step_seconds.append(time.perf_counter() - last)
         nonfinite += not math.isfinite(value)
         if (step + 1) % TRAIN_EVERY == 0 or step == 0:
             curve.append([step + 1, value])
@@ -274,6 +276,7 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
             eval_began = time.perf_counter()
             evals[step + 1] = evaluate(model, held, args)  # its .item() waits for the device
             eval_seconds += time.perf_counter() - eval_began
+        last = time.perf_counter()
     _sync(args)
     seconds = time.perf_counter() - began
     grads = {p.grad.dtype for p in model.parameters() if p.grad is not None}  # what zero_grad left (usually none)
@@ -307,6 +310,7 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
         "seconds": seconds,
         "eval_seconds": eval_seconds,
         "seconds_per_step": (seconds - eval_seconds) / args.steps,
+        "median_step_seconds": statistics.median(step_seconds),  # without the first steps' warm-up
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
     }
 
@@ -355,7 +359,8 @@ def run(args) -> list[dict]:
                 memory = f", peak {record['peak_memory_gib']:.1f} GiB" if record["peak_memory_gib"] else ""
                 print(
                     f"{args.schedule} {name:<24} seed {seed}: eval {record['eval_loss']:.4f} "
-                    f"({record['seconds']:.0f} s, {record['seconds_per_step']:.3f} s/step{memory}, "
+                    f"({record['seconds']:.0f} s, {record['seconds_per_step']:.3f} s/step, median "
+                    f"{record['median_step_seconds']:.3f}{memory}, "
                     f"total {time.perf_counter() - started:.0f} s)\n"
                     + (f"  {record['fp8_summary']}\n" if record["fp8_summary"] else "")
                     + f"  evals {evals}\n  train {curve}",
