@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 from _common import CallTimers
 
-SINGLE_DEVICE_ENGINES = ("plain", "model")  # unsharded, on rank 0 alone
+SINGLE_DEVICE_ENGINES = ("plain", "model")  # unsharded, on rank 0 alone (with their variants, e.g. model+float8t)
+
+
+def engine_family(name: str) -> str:
+    """The engine an engine name is a variant of: `hfsdp+fused+clip` -> `hfsdp`, `fsdp2+float8t` -> `fsdp2`. The step
+    loop and the loss checks decide by family, so that a variant runs and is checked as its engine is."""
+    return name.partition("+")[0]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The unsharded references of bench_step.py, on rank 0 alone: `plain` (the model and torch's AdamW, no engine) and
-`model` (the model alone, no optimizer: the floor under every engine's step).
+`model` (the model alone, no optimizer: the floor under every engine's step), and `model+float8t|r`, the model alone
+with its units' Linear layers in torchao's float8 (`_float8.py`): the floor under an fp8 engine's step.
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from contextlib import nullcontext
 
 import torch
 from _engine_base import TorchOptimizerEngine, adamw, tensor_bytes
-from _step_model import build_model, cast_parameters, flops_per_token, loss_of, maybe_compile
+from _float8 import convert, float8_suffix
+from _step_model import build_model, cast_parameters, flops_per_token, loss_of, maybe_compile, units_of
 
 
 class PlainEngine(TorchOptimizerEngine):
@@ -44,15 +46,20 @@ class ModelOnlyEngine(TorchOptimizerEngine):
 
     kind = "model"
 
-    def __init__(self, args, timers, compute_dtype, cfg, shape, device):
+    def __init__(self, args, timers, compute_dtype, cfg, shape, device, float8: str | None = None):
+        """`float8`: None, or a torchao recipe ("tensorwise", "rowwise") for the units' Linear layers."""
         super().__init__(args, timers, compute_dtype)
         self.model = build_model(cfg, shape, device, init_groups=False, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(self.model, shape)
         cast_parameters(self.model, compute_dtype)
+        converted = ""
+        if float8:  # no FSDP here, so nothing is gathered in fp8
+            self.kind = f"model+{float8_suffix(float8)}"
+            converted = "; " + convert(self.model, units_of(self.model), float8, fsdp_all_gather=False)
         maybe_compile(args, self.model)
         self.opt = None
         dtype = str(compute_dtype or torch.float32).removeprefix("torch.")
-        self.label = f"model alone, {dtype} weights: forward + backward, no optimizer (the floor)"
+        self.label = f"model alone, {dtype} weights: forward + backward, no optimizer (the floor){converted}"
         self.mesh = ()
 
     def microbatch(self, index, count, tokens, labels):

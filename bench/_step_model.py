@@ -106,10 +106,33 @@ def apply_liger(without: tuple[str, ...] = ()) -> None:
     FUSED_LINEAR_CROSS_ENTROPY = kept["flce"]
 
 
+#: dynamo's recompile limit under --compile. Every unit compiled on its own shares one code object (the layer class's
+#: forward), and each unit whose guards fail adds an entry to it: past the default limit of 8 dynamo silently runs
+#: the remaining units eagerly (seen with torchao's float8 at 16 layers), and that engine's row is half eager.
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> dict[str, int]:
+    """Raise dynamo's recompile limit to at least `limit`, under both of its names (`cache_size_limit`, and
+    `recompile_limit` where this torch has it); returns the values now in force."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    now = {}
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
+            now[name] = getattr(config, name)
+    return now
+
+
 def maybe_compile(args, model) -> None:
-    """torch.compile and/or activation recomputation of every unit, as the flags ask (both engines alike)."""
+    """torch.compile and/or activation recomputation of every unit, as the flags ask (every engine alike). Compiling
+    raises dynamo's recompile limit first, so that no engine runs some of its units eagerly."""
     from hfsdp.core.engine.unit_forward import compile_units, recompute
 
+    if args.compile:
+        raise_recompile_limit()
     if args.compile and args.compile_style == "forward":
         compile_units(units_of(model))
     elif args.compile:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 from _common import markdown_table
+from _engine_base import engine_family
 
 
 def merge_ranks(per_rank: list[dict]) -> dict:
@@ -79,7 +80,7 @@ def floor_report(results: list[dict], meta: dict) -> list[str]:
     header += ["at copy rate (ms)", "floor bytes (GB)", "floor (ms)", "cost / floor", "peak alloc MiB"]
     rows = []
     for r in results:
-        if r["engine"] == "model":
+        if engine_family(r["engine"]) == "model":  # the floor itself, in bf16 or fp8
             continue
         cost = (r["median_step_s"] - model["median_step_s"]) if model else None
         moved, floor = r.get("bytes_moved"), r.get("bytes_floor")

@@ -103,6 +103,7 @@ import time
 import traceback
 import warnings
 from dataclasses import asdict
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -111,13 +112,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _ceilings import copy_bandwidth, datasheet_peak, matmul_tflops
 from _common import CallTimers, install_comm_timers
-from _engine_base import SINGLE_DEVICE_ENGINES, Layout, free_memory, sync
+from _engine_base import SINGLE_DEVICE_ENGINES, Layout, engine_family, free_memory, sync
 from _engine_fsdp2 import Fsdp2Engine
 from _engine_hfsdp import HfsdpEngine, is_variant
 from _engine_megatron import MegatronFsdpEngine
 from _engine_plain import ModelOnlyEngine, PlainEngine
+from _float8 import (
+    FLOAT8_ENGINES,
+    FLOAT8_RECIPES,
+    Float8Unavailable,
+    float8_recipe,
+    require_torchao,
+    torchao_version,
+)
 from _loss_check import loss_checks
-from _step_model import LIGER_KERNELS, apply_liger, gpt_shape, llama_config, make_batches
+from _step_model import (
+    LIGER_KERNELS,
+    RECOMPILE_LIMIT,
+    apply_liger,
+    gpt_shape,
+    llama_config,
+    make_batches,
+    raise_recompile_limit,
+)
 from _step_probes import install_phase_timers, profile_engine, trace_memory
 from _step_report import combine_rounds, merge_ranks, report
 
@@ -132,6 +149,8 @@ LAYOUTS = {
     "hfsdp": ("optim", "optim_grads_params"),
 }
 ENGINES = ("hfsdp", "fsdp2", "mfsdp", "mfsdp2", "plain", "model")
+#: FSDP2 and the model alone with torchao's float8 (`_float8.py`): fsdp2+float8t, fsdp2+float8r, model+float8t, ...
+FLOAT8_NAMES = tuple(f"{engine}+{suffix}" for engine in FLOAT8_ENGINES for suffix in FLOAT8_RECIPES)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -152,7 +171,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("gpt", "llama"), default="gpt", help="megatron-core GPT or transformers Llama")
     p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
     p.add_argument("--ffn", type=int, default=None, help="llama: intermediate size (default: 8/3 hidden, to 256)")
-    p.add_argument("--compile", action="store_true", help="torch.compile every unit (every engine alike)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every unit (every engine alike), with dynamo's recompile limit raised to "
+        f"{RECOMPILE_LIMIT}: at its default of 8, 16 or more units compiled one by one can leave some of an "
+        "engine's units silently eager",
+    )
     p.add_argument(
         "--compile-style",
         choices=("module", "forward"),
@@ -215,7 +240,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "step that overlaps the next forward (hfsdp+fused+prestage+overlap) shows its gain only so",
     )
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--engines", default="hfsdp,fsdp2", help=f"comma-separated, from {', '.join(ENGINES)}")
+    p.add_argument(
+        "--engines",
+        default="hfsdp,fsdp2",
+        help=f"comma-separated, from {', '.join(ENGINES)}, the hfsdp variants hfsdp+fused[+...], and with torchao "
+        f"float8 (tensorwise with its fp8 all-gather, or rowwise) {', '.join(FLOAT8_NAMES)}",
+    )
     p.add_argument("--layouts", default=None, help="comma-separated name:RxN (default zero3:1xWORLD)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -253,14 +283,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--liger-without: choose from {', '.join(LIGER_KERNELS)}, got {','.join(args.liger_without)}")
     if args.liger_without and not args.liger:
         p.error("--liger-without leaves kernels out of --liger; add --liger")
-    unknown = [e for e in args.engines if e not in ENGINES and not is_variant(e)]
+    unknown = [e for e in args.engines if e not in ENGINES and not is_variant(e) and not float8_recipe(e)]
     if unknown:
         p.error(
             f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}, or hfsdp variants "
             "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage[+overlap][+keep] (FusedAdamW; the clip in its "
             "step; the gather input written by it; the step overlapping the next forward; the units' parameters "
-            "kept gathered through backward)"
+            f"kept gathered through backward), or torchao float8 {', '.join(FLOAT8_NAMES)}"
         )
+    float8 = ",".join(e for e in args.engines if float8_recipe(e))
+    if float8 and args.model == "gpt":
+        p.error(
+            f"--engines {float8}: torchao's float8 converts torch.nn.Linear layers, and the megatron-core GPT's are "
+            "megatron's own; use --model llama"
+        )
+    if float8:
+        try:
+            require_torchao()
+        except Float8Unavailable as err:
+            p.error(f"--engines {float8}: {err}")
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         p.error(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops}")
     if args.offload_fraction is not None:
@@ -476,6 +517,10 @@ def _main(args, device, rank, world) -> int:
         "cpu_threads_per_rank": torch.get_num_threads(),
         "shape": asdict(shape) if args.model == "gpt" else shape.to_dict(),
     }
+    if args.compile:  # every engine's units compiled under the same raised limit (maybe_compile raises it too)
+        meta["dynamo_recompile_limit"] = raise_recompile_limit()
+    if any(float8_recipe(e) for e in args.engines):
+        meta["torchao"] = torchao_version()
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
         rate = matmul_tflops(device, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
@@ -519,28 +564,15 @@ def _main(args, device, rank, world) -> int:
                 steps = args.warmup + args.steps + extra
                 batches_by_layout[layout.tag] = make_batches(shape, steps, gbs, count, rank, cfg.dp, device)
             batches = batches_by_layout[layout.tag]
-            kinds = [k for k in args.engines if k not in SINGLE_DEVICE_ENGINES]
+            kinds = [k for k in args.engines if engine_family(k) not in SINGLE_DEVICE_ENGINES]
             if round_index % 2:
                 kinds.reverse()  # alternate the order, so drift in the machine's load favours no engine
             for kind in kinds:
-                if kind == "fsdp2" and layout.inner not in ("optim_grads_params", "optim_grads"):
+                if engine_family(kind) == "fsdp2" and layout.inner not in ("optim_grads_params", "optim_grads"):
                     if rank == 0 and round_index == 0:
-                        print(f"[{layout.tag}] fsdp2: skipped, FSDP2 has no {layout.inner} (ZeRO-1/DDP) equivalent")
+                        print(f"[{layout.tag}] {kind}: skipped, FSDP2 has no {layout.inner} (ZeRO-1/DDP) equivalent")
                     continue
-                if kind == "hfsdp" or is_variant(kind):
-
-                    def factory(cfg=cfg, kind=kind):
-                        variant = kind if kind != "hfsdp" else None
-                        return HfsdpEngine(args, timers, compute_dtype, cfg, shape, device, variant)
-                elif kind in ("mfsdp", "mfsdp2"):
-
-                    def factory(cfg=cfg, layout=layout, kind=kind):
-                        return MegatronFsdpEngine(args, timers, compute_dtype, cfg, shape, device, layout, kind)
-                else:
-
-                    def factory(cfg=cfg, layout=layout):
-                        return Fsdp2Engine(args, timers, compute_dtype, cfg, shape, device, layout)
-
+                factory = partial(make_engine, kind, args, timers, compute_dtype, cfg, shape, device, layout)
                 if rank == 0:
                     print(
                         f"[round {round_index}] [{layout.tag}] {kind}: {count} microbatch(es) of "
@@ -570,8 +602,8 @@ def _main(args, device, rank, world) -> int:
                     )
     results = [combine_rounds(rows) for rows in runs.values()]
 
-    for kind in SINGLE_DEVICE_ENGINES:
-        if kind in args.engines and not args.simulate_world:
+    for kind in [k for family in SINGLE_DEVICE_ENGINES for k in args.engines if engine_family(k) == family]:
+        if not args.simulate_world:
             results.extend(run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra))
 
     checks = [] if args.simulate_world else loss_checks(results, args, world)
@@ -597,6 +629,21 @@ def _main(args, device, rank, world) -> int:
     return 1 if failed or any(not c["ok"] for c in checks) else 0
 
 
+def make_engine(kind: str, args, timers, compute_dtype, cfg, shape, device, layout: Layout | None):
+    """The engine `kind` (a name from --engines) on this layout (None for the unsharded engines)."""
+    family = engine_family(kind)
+    common = (args, timers, compute_dtype, cfg, shape, device)
+    if family == "hfsdp":
+        return HfsdpEngine(*common, kind if kind != "hfsdp" else None)
+    if family in ("mfsdp", "mfsdp2"):
+        return MegatronFsdpEngine(*common, layout, kind)
+    if family == "fsdp2":
+        return Fsdp2Engine(*common, layout, float8=float8_recipe(kind))
+    if family == "plain":
+        return PlainEngine(*common)
+    return ModelOnlyEngine(*common, float8=float8_recipe(kind))
+
+
 def run_single_device(kind, args, device, rank, world, shape, compute_dtype, timers, extra) -> list[dict]:
     """The unsharded model (`plain` or `model`) on rank 0 alone; every other rank waits at a barrier."""
     from hfsdp.core.rules.config import LayoutConfig
@@ -613,11 +660,7 @@ def run_single_device(kind, args, device, rank, world, shape, compute_dtype, tim
         if world > 1:
             print(f"{kind}: runs on rank 0 while the other ranks wait; on a shared CPU it gets more cores")
         print(f"[{kind}] {count} microbatch(es) of {args.micro_batch_size} per step", flush=True)
-        engine_class = PlainEngine if kind == "plain" else ModelOnlyEngine
-
-        def factory():
-            return engine_class(args, timers, compute_dtype, cfg, shape, device)
-
+        factory = partial(make_engine, kind, args, timers, compute_dtype, cfg, shape, device, None)
         mine = run_engine(factory, batches, args, device, timers, 1, 1, args.profile)
         mine["layout"] = "1x1"
         out.append(merge_ranks([mine]))
