@@ -37,6 +37,10 @@ previous model is freed before the next is built):
 - `model`: the model alone on rank 0, its weights in the compute dtype, forward and
   backward with the gradients dropped: no optimizer, no clipping, no engine. It is the
   floor under every engine's step; an engine's step minus it is what the engine costs.
+- `fsdp2+float8t`, `fsdp2+float8r`, `model+float8t`, `model+float8r`: FSDP2 and the model alone with the units'
+  Linear layers in torchao's float8 (tensorwise, under FSDP2 with its fp8 all-gather and the scales precomputed
+  after each step; or rowwise), as torchtitan runs it: the anchor for fp8 (issue 39). torchao is imported only for
+  these rows (`_float8.py`); their losses are checked at a looser tolerance, fp8's rounding being no defect.
 
 `--simulate-world N` runs a single process as one rank of an N-rank world on torch's
 fake process group, whose collectives move no data. Every allocation is the real
@@ -81,11 +85,11 @@ slowest rank's median and the largest memory):
   means the step is host-bound.
 
 This file is the command line and the step loop (`run_engine`, `_main`); the rest lives beside it, one module each:
-`_engine_base.py` (the Engine step, TorchOptimizerEngine, the layout's DeviceMesh, device helpers),
-`_engine_hfsdp.py` (hfsdp and its `hfsdp+...` variants), `_engine_fsdp2.py`, `_engine_megatron.py` (with
-`_megatron_fsdp.py`), `_engine_plain.py` (`plain`, `model`), `_step_model.py` (the model, Liger, compile, FLOPs,
-the batches), `_step_probes.py` (phase timers, profile, memory trace), `_step_report.py` (rows and tables) and
-`_loss_check.py` (the loss agreement every row must pass).
+`_engine_base.py` (the Engine step, TorchOptimizerEngine, the layout's DeviceMesh, device helpers), `_engine_hfsdp.py`
+(hfsdp and its `hfsdp+...` variants), `_engine_fsdp2.py`, `_engine_megatron.py` (with `_megatron_fsdp.py`),
+`_engine_plain.py` (`plain`, `model`), `_float8.py` (torchao's float8 for the `+float8t|r` rows), `_step_model.py`
+(the model, Liger, compile and its recompile limit, FLOPs, the batches), `_step_probes.py` (phase timers, profile,
+memory trace), `_step_report.py` (rows and tables) and `_loss_check.py` (the loss agreement every row must pass).
 """
 
 from __future__ import annotations
