@@ -78,7 +78,7 @@ def candidate_layouts(world: int, gpus_per_node: int = 8, **fields) -> list[Layo
 def evaluate(
     shape: ModelShape, cfg: LayoutConfig, cluster: Cluster, run: Settings, mfu: float, standard: bool = False
 ) -> Evaluated:
-    groups = groups_for(shape, cfg)
+    groups = groups_for(shape, cfg, run.fp8_param_gather)
     acts = activations(shape, run.seq, run.micro_batch, run.compute_bytes, run.recompute)
     mem = memory(shape, groups, acts, run)
     sent = step_bytes(groups, run.microbatches, run.compute_bytes, run.reduce_bytes, run.root_resharded)

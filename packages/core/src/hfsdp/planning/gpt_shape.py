@@ -6,6 +6,8 @@ gated, and `linear_fc2`) or, with experts, a router (`mlp.router`, dense) and on
 per expert (`mlp.experts...`, on the expert mesh). No linear biases; a LayerNorm has a
 bias, an RMSNorm does not. The root: word embeddings, the final norm, an untied output
 layer; positions are rotary (no parameters). The FFN size is 4 x hidden, as `GPTShape` has it.
+Its linears are megatron-core's own, which hfsdp's fp8 does not convert (`hfsdp train` refuses
+`--fp8-format` for it), so no unit has fp8 weights.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ multiple of its mesh's size (`MeshLayout.padded_numel`). All of a rank's pieces 
 gradient, optimizer) are cut from that padded length by the layout's shard factors, and
 every collective follows the group's `CommPlan`. The planner builds the same groups from
 closed-form counts, so padding enters every figure exactly as the engine pays it. All
-parameters of a run share one dtype (fp32 main weights), so a unit has at most two groups.
+parameters of a run share one dtype (fp32 main weights), so a unit has at most two groups,
+and one more with `fully_shard(fp8_param_gather=True)`: the weights of its fp8 Linear layers
+(`UnitParams.fp8`), put apart on every layout (the engine buckets by fp8 before it looks at
+the layout) and gathered one byte per element where the layout gathers parameters at all.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Group:
 
     Rank 0 holds piece 0 of every state, which is never short of real elements, so its
     optimizer state (Adam keeps state for real elements only) is the largest of any rank.
+    `fp8_weights` is how many fp8 Linear weights the group holds when it is a unit's fp8 group
+    (0 for every other group).
     """
 
     unit: int
@@ -35,6 +40,7 @@ class Group:
     numel: int
     layout: MeshLayout
     plan: CommPlan
+    fp8_weights: int = 0
 
     @cached_property
     def padded(self) -> int:
@@ -63,11 +69,17 @@ class Group:
     @property
     def kind(self) -> tuple:
         """Everything but the unit: groups of the same kind have the same buffers and collectives."""
-        return (self.is_root, self.expert, self.numel, self.layout, self.plan)
+        return (self.is_root, self.expert, self.numel, self.layout, self.plan, self.fp8_weights)
 
     @property
     def gathers_params(self) -> bool:
         return bool(self.plan.param_gather)
+
+    @property
+    def gathers_fp8(self) -> bool:
+        """Whether its parameter gathers move fp8 (1 byte per element), with one amax all-reduce per step: an fp8
+        group on a layout that gathers parameters (elsewhere `FlatParamGroup` keeps it in the compute dtype)."""
+        return bool(self.fp8_weights) and self.gathers_params
 
     @property
     def _origin(self) -> tuple[int, ...]:
@@ -93,15 +105,19 @@ def kinds(groups: list[Group]) -> list[tuple[Group, int]]:
     return [(g, n) for g, n in counts.values()]
 
 
-def groups_for(shape: ModelShape, cfg: LayoutConfig) -> list[Group]:
-    """The groups `fully_shard` builds for `shape` on `cfg`, in the engine's order (unit by unit, root last)."""
+def groups_for(shape: ModelShape, cfg: LayoutConfig, fp8_param_gather: bool = False) -> list[Group]:
+    """The groups `fully_shard` builds for `shape` on `cfg`, in the engine's order (unit by unit, root last; within
+    a unit the fp8 weights first, as a Hugging Face layer's projections come before its norms)."""
     dense, expert = dense_layout(cfg), expert_layout(cfg)
     dense_plan, expert_plan = plan_for(dense), plan_for(expert)
     out = []
     last = len(shape.units) - 1
     for index, unit in enumerate(shape.units):
-        if unit.dense:
-            out.append(Group(index, index == last, False, unit.dense, dense, dense_plan))
+        fp8 = unit.fp8 if fp8_param_gather else 0
+        if fp8:
+            out.append(Group(index, index == last, False, fp8, dense, dense_plan, unit.fp8_weights))
+        if unit.dense - fp8:
+            out.append(Group(index, index == last, False, unit.dense - fp8, dense, dense_plan))
         if unit.expert:
             out.append(Group(index, index == last, True, unit.expert // cfg.ep, expert, expert_plan))
     return out

@@ -8,6 +8,9 @@ and `down_proj`. The root: `embed_tokens`, the final `norm` and `lm_head` (absen
 embeddings are tied). `hfsdp train` shards a Hugging Face model's experts as dense
 parameters (it marks no expert mesh for them), so here they count as dense too.
 
+FP8 (`--fp8-format`) converts the layer's q/k/v/o and MLP projections whose dims are multiples
+of 16; Mixtral's router and fused experts are not `nn.Linear` layers, so only its attention is.
+
 Missing fields take transformers' defaults for the family, as `AutoConfig.for_model` would.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hfsdp.planning.model_shape import HF_FAMILIES, ModelShape, ModelShapeError, UnitParams
+from hfsdp.planning.model_shape import HF_FAMILIES, ModelShape, ModelShapeError, UnitParams, fp8_linears
 
 #: transformers' defaults of the fields the counts need, per family (LlamaConfig() etc., transformers 5).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -76,7 +79,9 @@ def hf_shape(config: Mapping[str, Any], source: str = "the model config") -> Mod
         active = matmul_attention + experts * h + topk * matmul_mlp
     else:
         dense, active = 2 * h + attention + mlp, matmul_attention + matmul_mlp
-    units = [UnitParams(f"model.layers.{i}", dense, 0, active) for i in range(layers)]
+    linears = [(q, h), (kvd, h), (kvd, h), (h, q)] + ([] if family == "mixtral" else [(f, h), (f, h), (h, f)])
+    fp8, fp8_weights = fp8_linears(linears)
+    units = [UnitParams(f"model.layers.{i}", dense, 0, active, fp8, fp8_weights) for i in range(layers)]
     tied = bool(fields.get("tie_word_embeddings", False))
     root = vocab * h + h + (0 if tied else vocab * h)
     units.append(UnitParams("root (embed_tokens, norm, lm_head)", root, 0, vocab * h))

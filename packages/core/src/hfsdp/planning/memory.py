@@ -16,6 +16,10 @@ Megatron's `main_grads_dtype` bf16; b_m, b_v of AdamW's moments, `moment_bytes`)
 - communication buffers: parameters gathered (or cast) for compute (`padded · c` per unit while
   it runs, the next one prefetched) and the flat gradient a reduce-scatter reads.
 
+A group of weights gathered in fp8 (`Settings.fp8_param_gather`, `Group.gathers_fp8`) gathers
+`padded · 1` bytes instead, and keeps its quantized piece (`param_len · 1`, counted with the
+parameters) from one optimizer step to the next.
+
 The step peaks at one of three moments, and the largest is reported with its split:
 the loss of the last microbatch (every layer's activations kept, the loss's own peak on top,
 gradient buffers present from the second microbatch on), the backward of the last layer (its
@@ -68,6 +72,7 @@ class Settings:
     root_resharded: bool = False  # the root frees its parameters after forward (hfsdp train: Hugging Face models)
     reduce_bytes: int = REDUCE_BYTES  # the gradients' reduce dtype: 4 (fp32) or 2 (main_grads_dtype bf16)
     moment_dtypes: tuple[str, str] = ("fp32", "fp32")  # exp_avg's and exp_avg_sq's dtypes, by Megatron's names
+    fp8_param_gather: bool = False  # the units' fp8 Linear weights in groups of their own, gathered in fp8
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ def memory(shape: ModelShape, groups: list[Group], acts: Activations, run: Setti
     c, offload = run.compute_bytes, run.offload
     counted = kinds(groups)
     params = sum(n * g.param_len * c for g, n in counted if keeps_shard(g, c, offload))
+    params += sum(n * g.param_len for g, n in counted if g.gathers_fp8)  # the quantized piece, one byte each
     optim_len = sum(n * g.optim_len for g, n in counted)
     main = 0 if c == 4 and not offload else 4 * optim_len
     moments = sum(n * sum(moment_bytes(d, g.optim_real) for d in run.moment_dtypes) for g, n in counted)
@@ -122,7 +128,8 @@ def memory(shape: ModelShape, groups: list[Group], acts: Activations, run: Setti
     earlier_grads = grads if run.microbatches > 1 else 0
 
     def unsharded(unit: int) -> int:
-        return sum(g.padded * c for g in groups if g.unit == unit and transient_unsharded(g, c, offload))
+        held = [g for g in groups if g.unit == unit and transient_unsharded(g, c, offload)]
+        return sum(g.padded * (1 if g.gathers_fp8 else c) for g in held)
 
     root, last = len(shape.units) - 1, len(shape.units) - 2
     root_held = shape.loss_inside or not run.root_resharded  # a loss outside the model runs after the root freed

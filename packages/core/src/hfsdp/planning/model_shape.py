@@ -5,6 +5,10 @@ everything else), and inside a unit groups parameters by mesh: dense parameters 
 dense mesh, expert parameters on the expert mesh. Padding is per group, so the planner
 needs exactly these counts, not just the total. `gpt_shape.py` and `hf_shape.py` compute
 them in closed form; tests check them against the real models built on the meta device.
+
+With FP8 training (`convert_to_float8`, `fully_shard(fp8_param_gather=True)`) the weights of a
+unit's converted Linear layers form a flat group of their own, gathered one byte per element;
+each unit says how many elements and weights that is (`fp8`, `fp8_weights`, by `fp8_linears`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 #: The families whose activations the planner models (docs/planning.md, "Activations").
 MEGATRON_GPT = "megatron-gpt"
 HF_FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+#: fp8 matmuls take a Linear layer only when both its dims are multiples of this (`hfsdp.core.fp8.convert`).
+FP8_MULTIPLE = 16
 
 
 class ModelShapeError(ValueError):
@@ -25,13 +31,18 @@ class UnitParams:
     """The parameter elements of one unit: dense ones, and expert ones over all experts (a rank holds 1/ep).
 
     `active_matmul` is the weight elements one token multiplies on its way through the unit
-    (the router's top-k experts only), which is what its FLOPs follow.
+    (the router's top-k experts only), which is what its FLOPs follow. `fp8` is the elements of
+    the dense weights `convert_to_float8` would convert (the unit's Linear layers with both dims
+    multiples of 16; no router, no bias), `fp8_weights` how many weights they are: with the fp8
+    gather they are a group of their own, and each weight has one amax in its all-reduce.
     """
 
     name: str
     dense: int
     expert: int = 0
     active_matmul: int = 0
+    fp8: int = 0
+    fp8_weights: int = 0
 
     @property
     def total(self) -> int:
@@ -83,6 +94,13 @@ class ModelShape:
         """`llama, 80 layers, hidden 8192, 70.55B parameters`: what a report names the model by."""
         moe = f", {self.experts} experts (top {self.topk})" if self.experts else ""
         return f"{self.family}, {self.layers} layers, hidden {self.hidden}{moe}, {billions(self.params)} parameters"
+
+
+def fp8_linears(shapes: list[tuple[int, int]]) -> tuple[int, int]:
+    """(elements, weights) of the Linear layers of (out_features, in_features) `shapes` that fp8 converts: those
+    whose dims are both multiples of 16 (the others stay in the compute dtype, as `convert_to_float8` leaves them)."""
+    taken = [o * i for o, i in shapes if o % FP8_MULTIPLE == 0 and i % FP8_MULTIPLE == 0]
+    return sum(taken), len(taken)
 
 
 def billions(count: int) -> str:

@@ -16,8 +16,9 @@ own backward and each unit prefetches the one before it; a unit's gradient reduc
 the last microbatch, its once-per-step reductions) is issued when its backward ends and
 overlaps the units still to come; the end of backward waits for all reductions. After the
 optimizer step the new weights are gathered on the gather stream (ahead of the next forward's
-gathers), and each unit's next forward waits for its own. Kernel launch and copy times are
-not modelled.
+gathers), and each unit's next forward waits for its own; an fp8 group's amax all-reduce, once
+per step on the gather stream, is counted with them. Kernel launch and copy times are not
+modelled, nor fp8's faster matmuls: compute runs at `mfu` of the given peak, fp8 or not.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hfsdp.planning.memory import SCALE_BLOCK, Settings, moment_bytes
 from hfsdp.planning.model_shape import ModelShape
 from hfsdp.planning.traffic import (
     Collective,
+    amax_reduction,
     final_reductions,
     microbatch_reduction,
     parameter_gather,
@@ -134,7 +136,7 @@ def step_time(
     def chains(unit: int) -> tuple:
         """(gather, per-microbatch reduction, last-microbatch reductions, post-step gather) of a unit, each a list
         of (link, seconds, axis); computed once per kind of unit."""
-        key = tuple((g.is_root, g.expert, g.numel) for _, g in by_unit[unit])  # one layout: the rest is shared
+        key = tuple((g.is_root, g.expert, g.numel, g.fp8_weights) for _, g in by_unit[unit])  # one layout
         if key not in cache:
             members = by_unit[unit]
             cache[key] = tuple(
@@ -143,7 +145,7 @@ def step_time(
                     lambda g, i: parameter_gather(g, i, "gather", c),
                     lambda g, i: microbatch_reduction(g, i, run.reduce_bytes),
                     lambda g, i: final_reductions(g, i, run.reduce_bytes),
-                    lambda g, i: post_step_gather(g, i, c),
+                    lambda g, i: post_step_gather(g, i, c) + amax_reduction(g, i),
                 )
             )
         return cache[key]

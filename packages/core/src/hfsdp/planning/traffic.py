@@ -11,9 +11,16 @@ This follows `FlatParamGroup` call for call, from the group's `CommPlan`:
   range the previous one left: an all-reduce, or a reduce-scatter that narrows it;
 - after the optimizer step, the gather of the new weights over `plan.post_step_gather`.
 
+A group of fp8 weights (`fully_shard(fp8_param_gather=True)`, `Group.gathers_fp8`) gathers its
+parameters one byte per element, forward and backward alike, and once per optimizer step
+max-reduces its weights' amaxes (one fp32 element per weight) with an all-reduce over each axis
+that shards parameters (`Fp8Weights.refresh`, at the step's first gather). Its post-step gather
+stays in the compute dtype: it carries the cast of the main weights each rank quantizes from.
+
 Bytes are the ring model of `hfsdp.core.buffers.collectives.CommRecord` (α(n)·size, twice that for an
 all-reduce), counted on the full side of each collective, so they equal what the
-collectives counter records in a real run, padding included (tests/planning/test_plan_traffic.py).
+collectives counter records in a real run, padding included (tests/planning/test_plan_traffic.py;
+with the fp8 gather, test_plan_traffic_fp8.py).
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from hfsdp.core.rules.placement_names import State
 from hfsdp.planning.groups import Group, kinds, sharded_axes
 
 FORWARD, BACKWARD, MICROBATCH, FINAL, POST_STEP = "forward", "backward", "microbatch", "final", "post_step"
+AMAX = "amax"
+#: Bytes per element of a parameter gathered in fp8, and of an amax.
+FP8_BYTES, AMAX_BYTES = 1, 4
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,25 @@ def _gather_steps(layout: MeshLayout, state: State, axes: tuple[int, ...], padde
     return tuple(out)
 
 
+def gather_bytes(group: Group, compute_bytes: int) -> int:
+    """b_p of the group's parameter gathers: 1 for fp8 weights, else the compute dtype's bytes."""
+    return FP8_BYTES if group.gathers_fp8 else compute_bytes
+
+
 def parameter_gather(group: Group, index: int, phase: str, compute_bytes: int) -> list[Collective]:
-    return gathers(group, index, phase, State.PARAM, group.plan.param_gather, compute_bytes)
+    return gathers(group, index, phase, State.PARAM, group.plan.param_gather, gather_bytes(group, compute_bytes))
+
+
+def amax_reduction(group: Group, index: int) -> list[Collective]:
+    """An fp8 group's once-per-step max of its weights' amaxes: one fp32 per weight, all-reduced over each axis that
+    shards the parameters, outer first (none for any other group)."""
+    if not group.gathers_fp8:
+        return []
+    names, sizes = group.layout.names, group.layout.shape
+    return [
+        Collective(index, AMAX, "all_reduce", names[k], sizes[k], group.fp8_weights, AMAX_BYTES)
+        for k in sharded_axes(group.layout, State.PARAM)
+    ]
 
 
 def microbatch_reduction(group: Group, index: int, reduce_bytes: int) -> list[Collective]:
@@ -133,6 +160,7 @@ def step_collectives(
                 out += final_reductions(group, index, reduce_bytes)
     for index, group in enumerate(groups):
         out += post_step_gather(group, index, compute_bytes)
+        out += amax_reduction(group, index)
     return out
 
 
