@@ -35,7 +35,7 @@ def estimate(cfg: TrainConfig) -> tuple[ModelShape, Memory]:
     shape = model_shape(cfg)
     run = step_settings(cfg, shape)
     acts = activations(shape, run.seq, run.micro_batch, run.compute_bytes, run.recompute)
-    return shape, memory(shape, groups_for(shape, cfg.layout), acts, run)
+    return shape, memory(shape, groups_for(shape, cfg.layout, run.fp8_param_gather), acts, run)
 
 
 def start_line(cfg: TrainConfig, shape: ModelShape, mem: Memory) -> str:

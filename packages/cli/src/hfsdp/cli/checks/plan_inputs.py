@@ -41,8 +41,8 @@ def model_shape(cfg: TrainConfig) -> ModelShape:
 
 def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
     """The step `hfsdp train` runs: its microbatches, dtype, recompute and offload, and the precision-aware optimizer's
-    gradient and moment dtypes; the root of a Hugging Face model frees its parameters after forward (`build_model`),
-    the GPT's keeps them."""
+    gradient and moment dtypes, and whether the fp8 weights are gathered in fp8; the root of a Hugging Face model frees
+    its parameters after forward (`build_model`), the GPT's keeps them."""
     return Settings(
         seq=cfg.seq_len,
         micro_batch=cfg.layout.micro_batch_size,
@@ -53,6 +53,7 @@ def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
         root_resharded=shape.family != MEGATRON_GPT,
         reduce_bytes=2 if cfg.main_grads_dtype == "bf16" else 4,
         moment_dtypes=(cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype),
+        fp8_param_gather=cfg.fp8 is not None and cfg.fp8_param_gather,
     )
 
 

@@ -1,0 +1,151 @@
+"""`hfsdp plan --fp8-format ... --fp8-param-gather`: the fp8 weights' share of each unit, and b_p = 1 for them.
+
+The planner's count of the weights fp8 converts (`hf_shape`'s `fp8`, `fp8_weights`) is checked against
+`convert_to_float8` on the Hugging Face models built on the meta device; the 70B Llama's plan on 1,024 x 8 GPUs
+(no padding: every figure exact) against docs/formulas.md's terms computed here by hand. The bytes a real run
+sends are checked record for record in test_plan_traffic_fp8.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hfsdp.cli.main import app
+from hfsdp.planning.hf_shape import hf_shape
+
+from tests.cli.commands.test_plan import LLAMA_70B, NODES, _hand_70b
+from tests.planning.test_plan_models import HF_CASES, SMALL
+
+GPUS = 8
+BASE = ["--nodes", str(NODES), "--seq-len", "4096", "--micro-batch-size", "1", "--dtype", "bf16", "--recompute"]
+FP8 = ["--fp8-format", "hybrid"]
+GATHER = [*FP8, "--fp8-param-gather"]
+#: More shapes: k and v of 8 outputs (one kv head of 8) stay in bf16, and an MLP of 40 (not a multiple of 16).
+FP8_CASES = {
+    **HF_CASES,
+    "llama-narrow-kv": {"model_type": "llama", "num_key_value_heads": 1, "head_dim": 8},
+    "qwen2-odd-ffn": {"model_type": "qwen2", "num_key_value_heads": 2, "intermediate_size": 40},
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_weights_per_unit_match_convert_to_float8_on_meta(case):
+    from hfsdp.core.fp8.config import Float8Config
+    from hfsdp.core.fp8.convert import convert_to_float8
+    from hfsdp.core.fp8.linear import Float8Linear
+    from hfsdp.models import hf
+
+    config = {**SMALL, **FP8_CASES[case]}
+    model = hf.build_causal_lm(hf.config_from_dict(config), device="meta")
+    layers = hf.decoder_layers(model)
+    convert_to_float8(model, Float8Config(), units=layers)
+    real = []
+    for layer in layers:
+        weights = [m.weight for m in layer.modules() if isinstance(m, Float8Linear)]
+        real.append((sum(w.numel() for w in weights), len(weights)))
+    real.append((0, 0))  # the root: embeddings, final norm, output layer
+    shape = hf_shape(config)
+    assert [(u.fp8, u.fp8_weights) for u in shape.units] == real
+    assert all(fp8 <= unit.dense for (fp8, _), unit in zip(real, shape.units, strict=True))
+
+
+@pytest.fixture(scope="module")
+def llama_70b(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama70b") / "config.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    return path
+
+
+def _plan(llama_70b, *flags: str) -> dict:
+    result = CliRunner().invoke(app, ["plan", "--model-config", str(llama_70b), *BASE, *flags, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def _row(plan: dict, name: str) -> dict:
+    (row,) = [r for r in plan["layouts"] if r["layout"] == name]
+    return row
+
+
+def _fp8_70b() -> tuple[int, int]:
+    """A 70B layer's fp8 weights by hand: q, k, v, o and gate, up, down; 7 weights."""
+    h, f, _layers, heads, kv, _vocab, head, _layer, _root = _hand_70b()
+    return 2 * h * heads * head + 2 * h * kv * head + 3 * h * f, 7
+
+
+def test_70b_hfsdp_gathers_the_fp8_weights_at_one_byte(llama_70b):
+    """HFSDP 1024x8, M = 2: dp_shard carries α(8)·M·(2·(Ψ_8·1 + Ψ_c·2) + Ψ·4) (every unit gathered in forward and
+    backward, the root too: a Hugging Face root frees its parameters after forward) plus 2·α(8)·4 bytes per fp8
+    weight for the amaxes; dp_outer is unchanged, α(1024)(Ψ/8)(b_g + b_p) with b_p = 2 (the post-step gather of the
+    cast main weights). Without --fp8-param-gather, fp8 matmuls change no byte."""
+    *_, layer, root = _hand_70b()
+    fp8, weights = _fp8_70b()
+    psi, psi_8, m = 80 * layer + root, 80 * fp8, 2
+    alpha = 7 / 8
+    plain, converted, gathered = (_row(_plan(llama_70b, *f), "HFSDP 1024x8") for f in ([], FP8, GATHER))
+    assert converted["bytes_per_step"] == plain["bytes_per_step"]
+    inner = alpha * m * (2 * (psi_8 * 1 + (psi - psi_8) * 2) + psi * 4) + 2 * alpha * 4 * weights * 80
+    assert gathered["bytes_per_step"]["dp_shard"] == pytest.approx(inner, rel=1e-12)
+    assert gathered["bytes_per_step"]["dp_outer"] == plain["bytes_per_step"]["dp_outer"]
+    assert plain["bytes_per_step"]["dp_shard"] - inner == pytest.approx(alpha * m * 2 * psi_8 - 2 * alpha * 4 * 560)
+
+
+def test_70b_zero3_over_zero3_gathers_and_reduces_amaxes_on_both_axes(llama_70b):
+    """Where the outer axis shards parameters too, its gathers move fp8 bytes and it max-reduces the amaxes too:
+    dp_outer carries α(1024)·M·(2·(Ψ_8/8·1 + Ψ_c/8·2)) for the gathers (each of the inner shard) beside the
+    reduce-scatter of the gradient, α(1024)·(Ψ/8)·4 on the last microbatch, and 2·α(1024)·4 per fp8 weight."""
+    *_, layer, root = _hand_70b()
+    fp8, weights = _fp8_70b()
+    psi, psi_8, m = 80 * layer + root, 80 * fp8, 2
+    alpha = 1023 / 1024
+    row = _row(_plan(llama_70b, *GATHER), "ZeRO-3 over ZeRO-3 1024x8")
+    gathers = alpha * m * 2 * (psi_8 * 1 + (psi - psi_8) * 2) / GPUS
+    outer = gathers + alpha * psi / GPUS * 4 + 2 * alpha * 4 * weights * 80
+    assert row["bytes_per_step"]["dp_outer"] == pytest.approx(outer, rel=1e-12)
+
+
+def test_70b_memory_keeps_the_fp8_piece_and_gathers_one_byte(llama_70b):
+    """HSDP 1024x8 keeps no bf16 shard but the quantized piece of the fp8 weights, Ψ_8/8 bytes; the last layer's
+    backward holds the two layers it gathered at Ψ_8·1 + Ψ_c·2 bytes each instead of 2 per element."""
+    fp8, _ = _fp8_70b()
+    plain, gathered = (_row(_plan(llama_70b, *f), "HSDP 1024x8")["memory_bytes"] for f in ([], GATHER))
+    assert plain["params"] == 0
+    assert gathered["params"] == 80 * fp8 // GPUS
+    assert gathered["peak_at"] == plain["peak_at"] == "backward"
+    assert plain["comm_buffers"] - gathered["comm_buffers"] == 2 * fp8 * (2 - 1)
+
+
+def test_the_plan_says_what_fp8_it_planned(llama_70b):
+    plan = _plan(llama_70b, *GATHER)
+    assert {k: plan["step"][k] for k in ("fp8", "fp8_recipe", "fp8_param_gather")} == {
+        "fp8": "hybrid",
+        "fp8_recipe": "tensorwise",
+        "fp8_param_gather": True,
+    }
+    assert _plan(llama_70b)["step"]["fp8"] is None
+    text = CliRunner().invoke(app, ["plan", "--model-config", str(llama_70b), *BASE, *GATHER])
+    assert text.exit_code == 0, text.output
+    assert "bf16, fp8 hybrid tensorwise, weights gathered in fp8," in text.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--fp8-param-gather"], "--fp8-param-gather true gathers fp8 weights, but fp8 is off"),
+        ([*GATHER, "--fp8-recipe", "rowwise"], "--fp8-param-gather"),
+        (["--fp8-format", "e5m2"], "--fp8-format"),
+    ],
+)
+def test_plan_refuses_the_fp8_flags_train_refuses(llama_70b, flags, needle):
+    result = CliRunner().invoke(app, ["plan", "--model-config", str(llama_70b), *BASE, *flags])
+    assert result.exit_code == 1, result.output
+    assert needle in result.output
+
+
+def test_plan_refuses_fp8_for_the_megatron_gpt():
+    result = CliRunner().invoke(app, ["plan", "--dtype", "bf16", *GATHER])
+    assert result.exit_code == 1, result.output
+    assert "converts the nn.Linear layers of a Hugging Face model" in result.output
