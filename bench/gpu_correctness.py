@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _correctness_cases import OPTIONS, STYLES, Case, Shape  # noqa: E402
+from _correctness_cases import FP8_OPTIONS, OPTIONS, STYLES, Case, Shape  # noqa: E402
 
 #: (loss, weights) tolerances, relative, over every step; weights as ‖Δ‖/‖witness‖. Measured on one H200 (torch
 #: 2.11, docs/results/h200-2026-12-02-correctness-3): the reference's own arithmetic (eager, each compile style,
@@ -63,6 +63,12 @@ from _correctness_cases import OPTIONS, STYLES, Case, Shape  # noqa: E402
 #: 2.6e-2 and was not deterministic.
 EXACT_RTOL = (2e-5, 1e-3)
 ROUNDING_RTOL = (5e-4, 1e-2)
+#: fp8 compute under torch.compile, against the reference compiled alike. Quantizing to fp8 turns a one-ulp bf16
+#: difference of an input (the compiled-kernel variants above) into a whole fp8 step in some element, so compiled
+#: noise grows ~500x: measured on one H200 (docs/results/h200-2026-12-04-issue39/correct), the compiled fp8
+#: reference itself differs from the eager fp8 reference by 7e-4 in loss at step 2 (bf16: 1.3e-6), and hfsdp
+#: compiled agreed with it bit for bit for three steps, then within 9.1e-4 / 9.4e-3. Eager fp8 must still be exact.
+FP8_COMPILED_RTOL = (2e-3, 2e-2)
 SANITIZER_STEPS = 2
 SRC = [os.path.join(ROOT, "packages", p, "src") for p in ("core", "ckpt", "cli")]
 
@@ -278,8 +284,11 @@ def judge(records: dict, passes: dict) -> list[dict]:
                 add("deterministic across processes", case.name, same, _difference(first, second))
         if case.engine == "hfsdp" and first and not first.get("error"):
             loss_rtol, weight_rtol = EXACT_RTOL if case.exact else ROUNDING_RTOL
+            if case.option in FP8_OPTIONS and case.kernels != "eager":
+                loss_rtol, weight_rtol = FP8_COMPILED_RTOL
             witnesses = [w for w in case.witnesses if main.get((w, 0))]
-            if not witnesses and case.option:  # no reference (several ranks): the same run without the option
+            if not witnesses and case.option and case.option not in FP8_OPTIONS:
+                # no reference (several ranks): the same run without the option (fp8 is not close to bf16 by design)
                 witnesses = [Case("hfsdp", case.style, layout=case.layout).name]
                 loss_rtol, weight_rtol = ROUNDING_RTOL
             for witness in witnesses:
@@ -327,7 +336,8 @@ def report(records: dict, verdicts: list[dict], args, seconds: float, codes: dic
         f"`{' '.join(sys.argv)}` — {env.get('gpu', args.device)}, torch {env.get('torch', '?')}, "
         f"{args.nproc} rank(s), {seconds:.0f} s in all; passes' exit codes {codes}.",
         f"Model: {asdict(args.shape)}. Tolerances (loss, weights ‖Δ‖/‖witness‖): the same arithmetic {EXACT_RTOL}, "
-        f"other rounding by design (offload, FusedAdamW) {ROUNDING_RTOL}; the first step equal.",
+        f"other rounding by design (offload, FusedAdamW) {ROUNDING_RTOL}, fp8 compiled {FP8_COMPILED_RTOL}; "
+        "the first step equal.",
         "",
         "## Losses",
         "",
