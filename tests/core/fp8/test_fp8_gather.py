@@ -5,7 +5,8 @@ gather, three steps of two microbatches in bf16, and asserts that the losses and
 the last step are equal bit for bit (a weight quantized on its shards and one quantized whole give the
 same bits, so nothing downstream may differ), and that the gathers of the fp8 weights moved one byte per
 element. Layouts of unequal axes both ways (HSDP 2x3, HFSDP 3x2 and 2x3, ZeRO-3 x6), torch's AdamW and
-hfsdp's FusedAdamW (prestaged gathers), weights kept from forward to backward, recomputed units.
+hfsdp's FusedAdamW (prestaged gathers), weights kept from forward to backward, recomputed units, the optimizer
+offloaded to host memory.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ LAYOUTS = {
     "HFSDP 2x3": ("optim", "optim_grads_params", 2),
     "ZeRO-3 x6": ("no_shard", "optim_grads_params", 1),
 }
-#: name -> (layout, optimizer, reshard_after_forward, recompute)
+#: name -> (layout, optimizer, reshard_after_forward, recompute, offload)
 CASES = {
-    **{layout: (layout, "AdamW", True, False) for layout in LAYOUTS},
-    "HFSDP 3x2, FusedAdamW prestaged": ("HFSDP 3x2", "FusedAdamW", True, False),
-    "HSDP 2x3, FusedAdamW prestaged": ("HSDP 2x3", "FusedAdamW", True, False),
-    "HSDP 2x3, kept through backward": ("HSDP 2x3", "AdamW", False, False),
-    "HFSDP 3x2, recomputed units": ("HFSDP 3x2", "AdamW", True, True),
+    **{layout: (layout, "AdamW", True, False, False) for layout in LAYOUTS},
+    "HFSDP 3x2, FusedAdamW prestaged": ("HFSDP 3x2", "FusedAdamW", True, False, False),
+    "HSDP 2x3, FusedAdamW prestaged": ("HSDP 2x3", "FusedAdamW", True, False, False),
+    "HSDP 2x3, kept through backward": ("HSDP 2x3", "AdamW", False, False, False),
+    "HFSDP 3x2, recomputed units": ("HFSDP 3x2", "AdamW", True, True, False),
+    "ZeRO-3 x6, optimizer offloaded": ("ZeRO-3 x6", "AdamW", True, False, True),
 }
 STEPS, MICROBATCHES = 3, 2
 
@@ -47,7 +49,7 @@ def _train(rank, world, case, gather: bool):
     from hfsdp.core.buffers.collectives import record_comms
     from hfsdp.core.engine.unit_forward import recompute
 
-    layout, optimizer, keep, recomputed = CASES[case]
+    layout, optimizer, keep, recomputed, offload = CASES[case]
     outer, inner, instances = LAYOUTS[layout]
     model = make_fp8_toy()
     convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers))
@@ -61,6 +63,7 @@ def _train(rank, world, case, gather: bool):
         units=list(model.layers),
         mp=MixedPrecision(torch.bfloat16),
         reshard_after_forward=keep,
+        offload=offload,
         fp8_param_gather=gather,
     )
     if optimizer == "FusedAdamW":
