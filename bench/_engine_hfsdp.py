@@ -1,5 +1,6 @@
 """hfsdp as bench_step's `hfsdp` engine and its variants `hfsdp+fused[+clip][+prestage][+overlap][+keep][+bf16m|
-+fp8m][+bf16g]`: the engine under test, set up as `hfsdp train` sets it up, each variant switching on one option.
++fp8m][+bf16g][+fp8t|+fp8g|+fp8r]`: the engine under test, set up as `hfsdp train` sets it up, each variant
+switching on one option.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from _step_model import build_model, flops_per_token, loss_of, maybe_compile, un
 #: (`reshard_after_forward=False`).
 #: Megatron's precision-aware optimizer through FusedAdamW: `bf16m` bf16 moments, `fp8m` fp8 moments (e4m3 / e5m2, a
 #: scale per 128 elements), `bf16g` gradients reduced and read in bf16.
-VARIANT_PARTS = ("fused", "clip", "prestage", "overlap", "keep", "bf16m", "fp8m", "bf16g")
+#: FP8 compute (issue 39) of the units' Linear layers: `fp8t` hybrid tensorwise, `fp8g` the same with the weights
+#: gathered in fp8 (`fp8_param_gather`), `fp8r` e4m3 rowwise.
+FP8_PARTS = {"fp8t": ("hybrid", "tensorwise"), "fp8g": ("hybrid", "tensorwise"), "fp8r": ("e4m3", "rowwise")}
+VARIANT_PARTS = ("fused", "clip", "prestage", "overlap", "keep", "bf16m", "fp8m", "bf16g", *FP8_PARTS)
 
 
 def is_variant(name: str) -> bool:
@@ -28,6 +32,7 @@ def is_variant(name: str) -> bool:
         and all(x in VARIANT_PARTS for x in parts)
         and ("overlap" not in parts or "prestage" in parts)
         and not {"bf16m", "fp8m"} <= set(parts)
+        and len(set(parts) & set(FP8_PARTS)) <= 1
     )
 
 
@@ -46,6 +51,15 @@ class HfsdpEngine(Engine):
 
         model = build_model(cfg, shape, device, on_device=args.build_on_device)
         self.params, self.flops_per_token = flops_per_token(model, shape)
+        parts = set(variant.split("+")[1:]) if variant else set()
+        fp8 = next((FP8_PARTS[p] for p in parts if p in FP8_PARTS), None)
+        if fp8 is not None:
+            from hfsdp.core import Float8Config, convert_to_float8
+
+            if args.model == "gpt":
+                raise ValueError("the fp8 variants need a transformers Llama (--model llama): hfsdp refuses the GPT")
+            self.fp8_summary = convert_to_float8(model, Float8Config(*fp8), units=units_of(model)).summary()
+            print(self.fp8_summary, flush=True)
         maybe_compile(args, model)
         grads = torch.bfloat16 if "bf16g" in (variant or "") else torch.float32
         mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=grads)
@@ -69,6 +83,7 @@ class HfsdpEngine(Engine):
                 offload=offload,
                 reshard_after_forward=not keep,
                 reshard_root_after_forward=reshard_root,
+                fp8_param_gather="fp8g" in parts,
             )
         self.sharding = sharding_of(self.model)
         self.variant = set(variant.split("+")[1:]) if variant else set()

@@ -62,7 +62,7 @@ def _earlier_reference(args) -> dict | None:
 
 
 def _loss_check(ref: dict, other: dict, args) -> dict:
-    fp8 = float8_recipe(other["engine"]) or float8_recipe(ref["engine"])
+    fp8 = any(float8_recipe(r["engine"]) or _hfsdp_fp8(r["engine"]) for r in (ref, other))
     rtol = LOSS_RTOL_FLOAT8 if fp8 else LOSS_RTOL[args.dtype]
     steps = 1 if engine_family(other["engine"]) == "model" else args.loss_steps
     a, b = ref["losses"][:steps], other["losses"][:steps]
@@ -81,3 +81,10 @@ def _loss_check(ref: dict, other: dict, args) -> dict:
         "rtol": rtol,
         "ok": rel <= rtol and math.isfinite(rel),
     }
+
+
+def _hfsdp_fp8(engine: str) -> bool:
+    """Whether an hfsdp variant computes its units' matmuls in fp8 (`+fp8t`, `+fp8g`, `+fp8r`)."""
+    from _engine_hfsdp import FP8_PARTS
+
+    return engine.startswith("hfsdp+") and any(p in FP8_PARTS for p in engine.split("+"))
