@@ -56,7 +56,7 @@ def convert_fp8(model, option: str):
     from hfsdp.core import Float8Config, convert_to_float8
 
     fmt, recipe = FP8_OPTIONS[option]
-    convert_to_float8(model, Float8Config(fmt, recipe), units=list(model.model.layers))
+    convert_to_float8(model, Float8Config(fmt, recipe), units=list(model.model.layers), min_size=0)
     return recipe == "tensorwise"
 
 

@@ -29,7 +29,7 @@ VARIANTS = {"bf16": None, "fp8 tensorwise hybrid": ("hybrid", "tensorwise"), "fp
 def _layer(k: int, n: int, variant: str, device) -> nn.Module:
     holder = nn.Sequential(nn.Linear(k, n, bias=False)).to(device, torch.bfloat16)
     if VARIANTS[variant] is not None:
-        convert_to_float8(holder, Float8Config(*VARIANTS[variant]), units=[holder])
+        convert_to_float8(holder, Float8Config(*VARIANTS[variant]), units=[holder], min_size=0)
     return holder[0]
 
 

@@ -171,7 +171,7 @@ def convert(model, setting: Setting):
     from hfsdp.core import Float8Config, convert_to_float8
 
     config = Float8Config(format=setting.fp8_format, recipe=setting.fp8_recipe)
-    return convert_to_float8(model, config, units=list(model.layers))
+    return convert_to_float8(model, config, units=list(model.layers), min_size=0)
 
 
 def build(args, setting: Setting, seed: int):

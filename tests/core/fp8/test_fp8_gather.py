@@ -52,7 +52,7 @@ def _train(rank, world, case, gather: bool):
     layout, optimizer, keep, recomputed, offload = CASES[case]
     outer, inner, instances = LAYOUTS[layout]
     model = make_fp8_toy()
-    convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers))
+    convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers), min_size=0)
     if recomputed:
         recompute(model.layers)
     cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
@@ -104,7 +104,7 @@ def _refusals(world) -> dict[str, str]:
     ):
         model = make_fp8_toy()
         if fmt is not None:
-            convert_to_float8(model, Float8Config(fmt, recipe), units=list(model.layers))
+            convert_to_float8(model, Float8Config(fmt, recipe), units=list(model.layers), min_size=0)
         try:
             _shard(model, "HSDP 2x3", world, fp8_param_gather=flag)
             out[name] = "accepted"
@@ -123,7 +123,7 @@ def _checkpoint_across(rank, world, path: str) -> dict:
 
     def fp8_model(layout):
         model = make_fp8_toy(seed=1)
-        convert_to_float8(model, Float8Config("hybrid"), units=list(model.layers))
+        convert_to_float8(model, Float8Config("hybrid"), units=list(model.layers), min_size=0)
         return _shard(model, layout, world, fp8_param_gather=True)
 
     source = fp8_model("HFSDP 3x2")

@@ -101,7 +101,7 @@ class _Net(nn.Module):
 def test_convert_swaps_only_the_units_linears_that_fit_and_keeps_names_and_values():
     net = _Net()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    conversion = convert_to_float8(net, Float8Config(), units=list(net.units))
+    conversion = convert_to_float8(net, Float8Config(), units=list(net.units), min_size=0)
     assert conversion.converted == ["units.0.q", "units.1.q"]
     assert conversion.skipped == {
         "units.0.odd": "features not multiples of 16, which fp8 matmuls need",
@@ -113,8 +113,22 @@ def test_convert_swaps_only_the_units_linears_that_fit_and_keeps_names_and_value
     assert net.state_dict().keys() == before.keys()
     assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
     assert conversion.summary().startswith("fp8 (hybrid, tensorwise): 2 of 6 Linear layers in the units")
-    again = convert_to_float8(net, Float8Config("e4m3"), units=list(net.units), module_filter=lambda n, m: "1" in n)
+    again = convert_to_float8(
+        net, Float8Config("e4m3"), units=list(net.units), min_size=0, module_filter=lambda n, m: "1" in n
+    )
     assert again.converted == ["units.1.q"] and again.skipped["units.0.q"] == "kept by module_filter"
+
+
+def test_by_default_only_layers_large_enough_to_gain_are_converted():
+    """The 8B Llama's projections: q/o (4096 x 4096) and the MLP convert, k/v (4096 -> 1024) stays bf16."""
+    shapes = {"q": (4096, 4096), "k": (4096, 1024), "o": (4096, 4096), "up": (4096, 14336), "down": (14336, 4096)}
+    with torch.device("meta"):
+        unit = nn.ModuleDict({n: nn.Linear(i, o, bias=False) for n, (i, o) in shapes.items()})
+    conversion = convert_to_float8(nn.Sequential(unit), Float8Config(), units=[unit])
+    assert conversion.converted == ["0.q", "0.o", "0.up", "0.down"]
+    assert conversion.skipped == {"0.k": "too small to gain: in*out/(in+out) below 2048"}
+    small = nn.ModuleDict({"q": nn.Linear(3072, 3072)})
+    assert convert_to_float8(nn.Sequential(small), Float8Config(), units=[small]).converted == []
 
 
 def test_config_refusals_name_the_field():
