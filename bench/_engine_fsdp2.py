@@ -28,7 +28,7 @@ class Fsdp2Engine(TorchOptimizerEngine):
         self.precompute, converted = None, ""
         if float8:
             self.kind = f"fsdp2+{float8_suffix(float8)}"
-            converted = "; " + convert(model, units_of(model), float8, fsdp_all_gather=True)
+            converted = "; " + convert(model, units_of(model), float8, fsdp_all_gather=True, min_size=args.fp8_min_size)
             self.precompute = precompute_scales(require_torchao(), float8, fsdp_all_gather=True)
         maybe_compile(args, model)
         options = {"offload_policy": CPUOffloadPolicy()} if args.offload else {}

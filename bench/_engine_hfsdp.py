@@ -58,7 +58,9 @@ class HfsdpEngine(Engine):
 
             if args.model == "gpt":
                 raise ValueError("the fp8 variants need a transformers Llama (--model llama): hfsdp refuses the GPT")
-            self.fp8_summary = convert_to_float8(model, Float8Config(*fp8), units=units_of(model)).summary()
+            self.fp8_summary = convert_to_float8(
+                model, Float8Config(*fp8), units=units_of(model), min_size=args.fp8_min_size
+            ).summary()
             print(self.fp8_summary, flush=True)
         maybe_compile(args, model)
         grads = torch.bfloat16 if "bf16g" in (variant or "") else torch.float32

@@ -55,7 +55,9 @@ class ModelOnlyEngine(TorchOptimizerEngine):
         converted = ""
         if float8:  # no FSDP here, so nothing is gathered in fp8
             self.kind = f"model+{float8_suffix(float8)}"
-            converted = "; " + convert(self.model, units_of(self.model), float8, fsdp_all_gather=False)
+            converted = "; " + convert(
+                self.model, units_of(self.model), float8, fsdp_all_gather=False, min_size=args.fp8_min_size
+            )
         maybe_compile(args, self.model)
         self.opt = None
         dtype = str(compute_dtype or torch.float32).removeprefix("torch.")

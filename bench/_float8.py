@@ -70,25 +70,28 @@ def float8_config(float8, recipe: str, fsdp_all_gather: bool):
     return float8.Float8LinearConfig.from_recipe_name(recipe)
 
 
-def unit_linears(units) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
-    """(the units' nn.Linear layers the fp8 kernels take, those they do not: a dim not a multiple of 16)."""
+def unit_linears(units, min_size: float = 0) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """(the units' nn.Linear layers the fp8 kernels take, those they do not: a dim not a multiple of 16, or, with
+    `min_size`, too small to gain by hfsdp's rule, `in*out/(in+out) < min_size`, so both engines convert the same)."""
+    from hfsdp.core.fp8.convert import size_of
+
     chosen, skipped = [], []
     for unit in units:
         for module in unit.modules():
             if isinstance(module, torch.nn.Linear):
-                fits = all(d % FP8_DIM_MULTIPLE == 0 for d in module.weight.shape)
+                fits = all(d % FP8_DIM_MULTIPLE == 0 for d in module.weight.shape) and size_of(module) >= min_size
                 (chosen if fits else skipped).append(module)
     return chosen, skipped
 
 
-def convert(model, units, recipe: str, fsdp_all_gather: bool, float8=None) -> str:
+def convert(model, units, recipe: str, fsdp_all_gather: bool, float8=None, min_size: float = 0) -> str:
     """Swap the units' fp8-shaped Linear layers of `model` for torchao's Float8Linear, in place; returns what was done,
     for the row's label. `float8` stands in for `torchao.float8` in tests.
 
     The filter is by identity, not by name: it chooses the Linear modules found inside `units` before the swap, so
     the output layer and anything outside the units stay as they are whatever the model calls them."""
     float8 = float8 or require_torchao()
-    chosen, skipped = unit_linears(units)
+    chosen, skipped = unit_linears(units, min_size)
     if not chosen:
         raise ValueError(
             f"float8 {recipe}: the units hold no torch.nn.Linear with dims that are multiples of "
@@ -98,7 +101,7 @@ def convert(model, units, recipe: str, fsdp_all_gather: bool, float8=None) -> st
     config = float8_config(float8, recipe, fsdp_all_gather)
     float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(mod) in ids)
     gather = ", fp8 all-gather" if fsdp_all_gather and recipe == "tensorwise" else ""
-    left = f", {len(skipped)} left in the compute dtype (dims not multiples of {FP8_DIM_MULTIPLE})" if skipped else ""
+    left = f", {len(skipped)} left in the compute dtype (dims, or min size {min_size:g})" if skipped else ""
     return f"torchao float8 {recipe}{gather}: {len(chosen)} unit Linears{left}"
 
 

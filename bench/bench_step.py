@@ -176,6 +176,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (default: --heads)")
     p.add_argument("--ffn", type=int, default=None, help="llama: intermediate size (default: 8/3 hidden, to 256)")
     p.add_argument(
+        "--fp8-min-size",
+        type=float,
+        default=2048,
+        help="fp8 rows (hfsdp's +fp8t|g|r, torchao's +float8t|r) convert only the units' Linear layers with "
+        "in*out/(in+out) at least this (hfsdp's default rule, so both convert the same layers; 0: every layer)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile every unit (every engine alike), with dynamo's recompile limit raised to "
