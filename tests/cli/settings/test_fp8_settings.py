@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hfsdp.cli.main import app
-from hfsdp.cli.settings.settings import BY_NAME, FP8_FORMATS, FP8_RECIPES
+from hfsdp.cli.settings.settings import BY_NAME, FP8_FORMATS, FP8_MIN_SIZE, FP8_RECIPES
 from hfsdp.cli.settings.train_config import build_file_config, build_train_config
 from hfsdp.core.rules.config import ConfigError
 
@@ -45,21 +45,24 @@ def _validate(tmp_path, sections: dict):
 
 
 def test_the_settings_are_megatrons_flags_and_keys_off_by_default():
-    spelled = {name: (BY_NAME[name].flag, BY_NAME[name].key) for name in ("fp8", "fp8_recipe", "fp8_param_gather")}
+    names = ("fp8", "fp8_recipe", "fp8_min_size", "fp8_param_gather")
+    spelled = {name: (BY_NAME[name].flag, BY_NAME[name].key) for name in names}
     assert spelled == {
         "fp8": ("--fp8-format", "model.fp8"),
         "fp8_recipe": ("--fp8-recipe", "model.fp8_recipe"),
+        "fp8_min_size": ("--fp8-min-size", "model.fp8_min_size"),
         "fp8_param_gather": ("--fp8-param-gather", "ddp.fp8_param_gather"),
     }
     cfg = build_train_config({"device": "cpu"})
-    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_param_gather) == (None, "tensorwise", False)
+    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_min_size, cfg.fp8_param_gather) == (None, "tensorwise", 2048, False)
 
 
 def test_the_cli_names_are_cores():
     """settings.py keeps the choices as text (no import of core's fp8 package); they are core's Float8Config's."""
     from hfsdp.core.fp8.config import FORMATS, RECIPES
+    from hfsdp.core.fp8.convert import DEFAULT_MIN_SIZE
 
-    assert FP8_FORMATS == FORMATS and FP8_RECIPES == RECIPES
+    assert FP8_FORMATS == FORMATS and FP8_RECIPES == RECIPES and FP8_MIN_SIZE == DEFAULT_MIN_SIZE
 
 
 def test_a_hugging_face_run_in_bf16_accepts_every_valid_combination(llama):
@@ -81,16 +84,44 @@ def test_an_unknown_format_or_recipe_is_refused_with_what_each_means(llama):
     assert typo == {"--fp8-format": "--fp8-format must be one of e4m3, hybrid (did you mean hybrid?); got 'hybird'."}
 
 
-@pytest.mark.parametrize("name", ["fp8_recipe", "fp8_param_gather"])
-def test_a_recipe_or_the_fp8_gather_without_a_format_is_refused(name, llama):
+@pytest.mark.parametrize("name", ["fp8_recipe", "fp8_min_size", "fp8_param_gather"])
+def test_a_recipe_a_min_size_or_the_fp8_gather_without_a_format_is_refused(name, llama):
     flag = BY_NAME[name].flag
-    value = True if name == "fp8_param_gather" else "rowwise"
+    value = {"fp8_param_gather": True, "fp8_min_size": 0.0}.get(name, "rowwise")
     (message,) = _problems({"model_config": llama, "dtype": "bf16", name: value}).values()
     assert message.startswith(f"{flag} ") and "but fp8 is off (--fp8-format is not set)" in message
     assert message.endswith(f"turn it on with --fp8-format hybrid (or e4m3), or drop {flag}.")
     # A recipe given at all would be ignored, the default's too; the gather switched off by hand says nothing.
     assert list(_problems({"fp8_recipe": "tensorwise"})) == ["--fp8-recipe"]
+    assert list(_problems({"fp8_min_size": float(FP8_MIN_SIZE)})) == ["--fp8-min-size"]
     build_train_config({"device": "cpu", "fp8_param_gather": False})
+
+
+def test_a_min_size_of_zero_or_more_is_taken(llama):
+    for size in (0.0, 819.2, 2048, 4096.0):
+        cfg = build_train_config({**FP8, "device": "cpu", "model_config": llama, "fp8_min_size": size})
+        assert cfg.fp8_min_size == size
+
+
+@pytest.mark.parametrize("value", [-1.0, -0.5, float("nan"), float("inf"), "big", "2048", True])
+def test_a_negative_or_non_numeric_min_size_is_refused_in_one_paragraph(value, llama):
+    """What a file could hold (a flag is a float by then: typer refuses text, test below)."""
+    problems = _problems({**FP8, "model_config": llama, "fp8_min_size": value})
+    assert list(problems) == ["--fp8-min-size"], problems
+    (message,) = problems.values()
+    assert message.startswith("--fp8-min-size must be a number >= 0 such as 0 or 2048: a Linear layer multiplies in ")
+    assert "in*out/(in+out) is at least this (0: every layer whose dims are multiples of 16); got " in message
+    assert "\n" not in message and message.endswith(".")
+
+
+def test_train_refuses_a_min_size_that_is_no_number_naming_the_flag(llama):
+    base = ["train", "--fp8-format", "hybrid", "--dtype", "bf16", "--model-config", llama, "--device", "cpu"]
+    result = runner.invoke(app, [*base, "--fp8-min-size", "big"])
+    assert result.exit_code == 2 and "Invalid value for '--fp8-min-size'" in result.output, result.output
+    result = runner.invoke(app, [*base, "--fp8-min-size", "-1"])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: --fp8-min-size must be a number >= 0 such as 0 or 2048"), result.output
+    assert result.output.rstrip().endswith("got -1.0.") and "starting" not in result.output
 
 
 def test_the_fp8_gather_needs_the_tensorwise_recipe(llama):
@@ -126,6 +157,17 @@ def test_config_file_keys_are_refused_by_key_with_exit_1(tmp_path, llama):
     cases = [
         ({"model": {"fp8_recipe": "rowwise"}}, "model.fp8_recipe", "turn it on with model.fp8: hybrid (or e4m3)"),
         ({"ddp": {"fp8_param_gather": True}}, "ddp.fp8_param_gather", "or drop ddp.fp8_param_gather."),
+        ({"model": {"fp8_min_size": 0}}, "model.fp8_min_size", "turn it on with model.fp8: hybrid (or e4m3)"),
+        (
+            {"model": {"fp8": "e4m3", "fp8_min_size": -16, "hf_config": llama}, "train": {"dtype": "bf16"}},
+            "model.fp8_min_size",
+            "model.fp8_min_size must be a number >= 0 such as 0 or 2048",
+        ),
+        (
+            {"model": {"fp8": "e4m3", "fp8_min_size": "large", "hf_config": llama}, "train": {"dtype": "bf16"}},
+            "model.fp8_min_size",
+            "got 'large'.",
+        ),
         ({"model": {"fp8": "e5m2"}}, "model.fp8", "model.fp8 must be one of e4m3, hybrid"),
         (
             {
@@ -155,15 +197,16 @@ def test_config_file_keys_are_refused_by_key_with_exit_1(tmp_path, llama):
 
 
 def test_a_valid_file_lists_the_settings_and_train_reads_the_same(tmp_path, llama):
-    sections = {"model": {"fp8": "e4m3", "fp8_recipe": "tensorwise", "hf_config": llama},
+    sections = {"model": {"fp8": "e4m3", "fp8_recipe": "tensorwise", "fp8_min_size": 0, "hf_config": llama},
                 "ddp": {"fp8_param_gather": True}, "train": {"dtype": "bf16"}}  # fmt: skip
     result, errors = _validate(tmp_path, sections)
     assert result.exit_code == 0 and not errors, result.output
     settings = json.loads(result.output)["summary"]["settings"]
     assert settings["model.fp8"] == {"value": "e4m3", "default": False}
+    assert settings["model.fp8_min_size"] == {"value": 0, "default": False}
     assert settings["ddp.fp8_param_gather"] == {"value": True, "default": False}
     cfg = build_file_config(str(tmp_path / "run.yaml"))
-    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_param_gather) == ("e4m3", "tensorwise", True)
+    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_min_size, cfg.fp8_param_gather) == ("e4m3", "tensorwise", 0, True)
     # `model: fp8: null` is fp8 off, as leaving it out.
     result, _ = _validate(tmp_path, {"model": {"fp8": None}})
     assert result.exit_code == 0, result.output
@@ -234,12 +277,58 @@ def test_a_cpu_run_takes_fp8_whatever_the_gpus(monkeypatch, llama):
 # What the build asks of core -------------------------------------------------------------------------------------
 
 
-def test_fully_shard_is_asked_for_the_fp8_gather_only_when_fp8_is_on(llama):
+def _converted(cfg):
+    """The tiny Llama (tests.support.runs.LLAMA: hidden 32, MLP 48, two kv heads of 8) on the meta device, converted
+    as `hfsdp train` converts it with `cfg`."""
+    from hfsdp.cli.rank.build_model import convert_fp8
+    from hfsdp.models import hf
+
+    model = hf.build_causal_lm(hf.config_from_dict(LLAMA), device="meta")
+    return convert_fp8(cfg, model, hf.decoder_layers(model))
+
+
+def test_fully_shard_is_asked_for_the_fp8_gather_only_when_fp8_is_on_and_converted_a_layer(llama):
     from hfsdp.cli.rank.build_model import convert_fp8, fp8_shard_options
 
     off = build_train_config({"device": "cpu", "model_config": llama})
-    assert fp8_shard_options(off) == {} and convert_fp8(off, None, []) is None
+    assert fp8_shard_options(off, None) == {} and convert_fp8(off, None, []) is None
     on = build_train_config({**FP8, "device": "cpu", "model_config": llama, "fp8_param_gather": True})
-    assert fp8_shard_options(on) == {"fp8_param_gather": True}
+    forced = build_train_config({**FP8, "device": "cpu", "model_config": llama, "fp8_param_gather": True,
+                                 "fp8_min_size": 0.0})  # fmt: skip
+    assert fp8_shard_options(forced, _converted(forced)) == {"fp8_param_gather": True}
+    # The default min size converts none of the tiny model's layers: no fp8 gather, which fully_shard would refuse.
+    assert not _converted(on).converted
+    assert fp8_shard_options(on, _converted(on)) == {"fp8_param_gather": False}
     on = build_train_config({**FP8, "device": "cpu", "model_config": llama})
-    assert fp8_shard_options(on) == {"fp8_param_gather": False}
+    assert fp8_shard_options(on, _converted(on)) == {"fp8_param_gather": False}
+
+
+def test_the_start_line_says_why_fp8_is_off_when_nothing_was_converted(llama, tmp_path):
+    from hfsdp.cli.rank.build_model import convert_fp8, fp8_start_line
+    from hfsdp.models import hf
+
+    forced = build_train_config({**FP8, "device": "cpu", "model_config": llama, "fp8_min_size": 0.0})
+    line = fp8_start_line(forced, _converted(forced))
+    assert line.startswith("fp8 (hybrid, tensorwise): 14 of 14 Linear layers") and "fp8 is off" not in line
+    on = build_train_config({**FP8, "device": "cpu", "model_config": llama})
+    conversion = _converted(on)
+    line = fp8_start_line(on, conversion)
+    assert line.startswith(conversion.summary() + ". ")
+    assert line.startswith("fp8 (hybrid, tensorwise): 0 of 14 Linear layers in the units multiply in fp8; 14 stay ")
+    assert line.endswith(
+        ". fp8 is off for this model: no layer is large enough to gain from it, so it trains in bf16; "
+        "--fp8-min-size 0 forces fp8."
+    )
+    # From a config file, the key is named as the file spells it.
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps({"model": {"fp8": "hybrid", "hf_config": llama}, "train": {"dtype": "bf16"},
+                                "parallel": {"world_size": 2}}))  # fmt: skip
+    filed = build_file_config(str(path))
+    assert fp8_start_line(filed, _converted(filed)).endswith("; model.fp8_min_size: 0 forces fp8.")
+    # Layers that no min size makes fp8 (dims not multiples of 16): fp8 is off, and the min size is not the way out.
+    odd = {**LLAMA, "hidden_size": 40, "intermediate_size": 56, "num_attention_heads": 5, "num_key_value_heads": 5}
+    model = hf.build_causal_lm(hf.config_from_dict(odd), device="meta")
+    conversion = convert_fp8(forced, model, hf.decoder_layers(model))
+    assert not conversion.converted
+    line = fp8_start_line(forced, conversion)
+    assert line.endswith(". fp8 is off for this model: none of its layers can multiply in fp8, so it trains in bf16.")

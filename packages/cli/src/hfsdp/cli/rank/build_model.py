@@ -4,8 +4,10 @@ Either way the result is the same few things the loop needs: the sharded model,
 its loss on a microbatch, the vocabulary its data must stay within, and the model
 record a checkpoint keeps (so an export knows what it holds). Units are the
 transformer layers in both; `--recompute` and `--compile` wrap their forwards. With `--fp8-format` (a Hugging Face
-model only: the rules refuse the GPT) the units' Linear layers become fp8 ones first, so that compile and recompute
-wrap the layers that run, and the conversion's one-line summary travels with the model for rank 0 to print.
+model only: the rules refuse the GPT) the units' Linear layers large enough to gain (`--fp8-min-size`) become fp8
+ones first, so that compile and recompute wrap the layers that run, and the conversion's one-line summary travels
+with the model for rank 0 to print. When no layer is converted, the model trains in bf16, gathers nothing in fp8
+(`fully_shard` refuses the fp8 gather without an fp8 layer) and the line says why.
 """
 
 from __future__ import annotations
@@ -71,12 +73,31 @@ def convert_fp8(cfg: TrainConfig, model, units):
     from hfsdp.core.fp8.config import Float8Config
     from hfsdp.core.fp8.convert import convert_to_float8
 
-    return convert_to_float8(model, Float8Config(format=cfg.fp8, recipe=cfg.fp8_recipe), units=units)
+    config = Float8Config(format=cfg.fp8, recipe=cfg.fp8_recipe)
+    return convert_to_float8(model, config, units=units, min_size=cfg.fp8_min_size)
 
 
-def fp8_shard_options(cfg: TrainConfig) -> dict[str, Any]:
-    """`fully_shard`'s fp8 keyword, given only when fp8 is on (a run without fp8 asks nothing of it)."""
-    return {"fp8_param_gather": cfg.fp8_param_gather} if cfg.fp8 is not None else {}
+def fp8_shard_options(cfg: TrainConfig, conversion) -> dict[str, Any]:
+    """`fully_shard`'s fp8 keyword, given only when fp8 is on (a run without fp8 asks nothing of it); the fp8 gather
+    only when `conversion` converted a layer (`fully_shard` refuses it on a model without fp8 layers)."""
+    if cfg.fp8 is None:
+        return {}
+    return {"fp8_param_gather": cfg.fp8_param_gather and bool(conversion.converted)}
+
+
+def fp8_start_line(cfg: TrainConfig, conversion) -> str:
+    """The conversion's summary for the start of the run; when it converted nothing, with why fp8 is off."""
+    line = conversion.summary()
+    if conversion.converted:
+        return line
+    if any(reason.startswith("too small") for reason in conversion.skipped.values()):
+        spelled = cfg.given["fp8_min_size"].spelled if "fp8_min_size" in cfg.given else "--fp8-min-size"
+        force = f"{spelled}: 0" if "." in spelled else f"{spelled} 0"
+        return (
+            f"{line}. fp8 is off for this model: no layer is large enough to gain from it, so it trains in bf16; "
+            f"{force} forces fp8."
+        )
+    return f"{line}. fp8 is off for this model: none of its layers can multiply in fp8, so it trains in bf16."
 
 
 def _wrap_units(cfg: TrainConfig, units) -> None:
@@ -110,10 +131,10 @@ def _hugging_face(cfg: TrainConfig, device: torch.device, mp) -> BuiltModel:
         optimizer_state_bytes=optimizer_state_bytes(cfg),
         reshard_root_after_forward=True,
         diloco=cfg.diloco,
-        **fp8_shard_options(cfg),
+        **fp8_shard_options(cfg, fp8),
     )
     record = {"format": "transformers", "config": config.to_dict()}
-    summary = fp8.summary() if fp8 is not None else None
+    summary = fp8_start_line(cfg, fp8) if fp8 is not None else None
     return BuiltModel(sharded, hf.causal_lm_loss, hf.vocab_size(config), record, summary)
 
 

@@ -1,4 +1,5 @@
-"""The rules of FP8 training (`--fp8-format`, `--fp8-recipe`, `--fp8-param-gather`), between its settings and others.
+"""The rules of FP8 training (`--fp8-format`, `--fp8-recipe`, `--fp8-min-size`, `--fp8-param-gather`), between its
+settings and others.
 
 Kept apart from `rules.py` so the fp8 choices read in one place; `rules.py` makes each `(names, check)` pair of
 `FP8_CHECKS` a `Rule`, so they are checked by `train`, `validate-config` and `plan` alike, before any rank starts.
@@ -19,11 +20,16 @@ def _set(said, name: str, value: str) -> str:
 
 
 def _needs_a_format(v: dict[str, Any], said) -> list[tuple[str, str]] | None:
-    """--fp8-recipe or --fp8-param-gather without --fp8-format: it would be silently ignored."""
+    """--fp8-recipe, --fp8-min-size or --fp8-param-gather without --fp8-format: it would be silently ignored."""
     if v["fp8"] is not None:
         return None
     problems = []
-    for name, what in (("fp8_recipe", "chooses how fp8 scales are taken"), ("fp8_param_gather", "gathers fp8 weights")):
+    about = (
+        ("fp8_recipe", "chooses how fp8 scales are taken"),
+        ("fp8_min_size", "chooses which Linear layers are large enough for fp8"),
+        ("fp8_param_gather", "gathers fp8 weights"),
+    )
+    for name, what in about:
         if said.explicit(name) and (name != "fp8_param_gather" or v[name]):
             problems.append(
                 (
@@ -79,7 +85,7 @@ def _needs_a_hugging_face_model(v: dict[str, Any], said) -> str | None:
 
 #: (the settings a rule reads, the first being where its problem is reported; the check).
 FP8_CHECKS: tuple[tuple[tuple[str, ...], Callable], ...] = (
-    (("fp8", "fp8_recipe", "fp8_param_gather"), _needs_a_format),
+    (("fp8", "fp8_recipe", "fp8_min_size", "fp8_param_gather"), _needs_a_format),
     (("fp8", "fp8_recipe"), _rowwise_has_no_hybrid),
     (("fp8_param_gather", "fp8", "fp8_recipe"), _param_gather_needs_tensorwise),
     (("fp8", "dtype"), _needs_bf16),

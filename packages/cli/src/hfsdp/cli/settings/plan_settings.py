@@ -33,6 +33,7 @@ PLAN_SETTINGS = (
     "exp_avg_sq_dtype",
     "fp8",
     "fp8_recipe",
+    "fp8_min_size",
     "fp8_param_gather",
     "inner",
     "outer",
