@@ -1,7 +1,8 @@
 """The planner's collectives with the fp8 gather against the collectives counter of real runs, record for record.
 
 One spawned gloo group of 6 ranks trains the fp8 toy (tests/support/fp8_models.py: three units of 3,440
-parameters, 3,072 of them the weights of two Float8Linear layers, hybrid tensorwise, bf16 compute) on every
+parameters, 3,072 of them the weights of two Float8Linear layers, hybrid tensorwise, bf16 compute, converted with
+`min_size=0`: at the default size rule the toy's layers would all stay bf16) on every
 layout of 6 ranks (the four one-axis layouts, and every valid pair of sharding strategies on 2x3 and 3x2:
 ZeRO-3 x6, HSDP 2x3, HFSDP 3x2 and 2x3 among them), with `fp8_param_gather` on and off, for two optimizer steps of
 two microbatches, counting each step's collectives with `record_comms`. The planner sees only each unit's
@@ -57,7 +58,7 @@ def _count(rank, world):
         outer, inner, instances, gather, resharded, optimizer = case
         cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
         model = make_fp8_toy()
-        convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers))
+        convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers), min_size=0)
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp,
                               reshard_after_forward=resharded, fp8_param_gather=gather)  # fmt: skip
@@ -86,14 +87,15 @@ def _count(rank, world):
 
 def _fp8_toy_shape() -> ModelShape:
     """The fp8 toy as the planner sees it: each unit's parameters, and the elements and number of its fp8 weights
-    (what `convert_to_float8` converted); the root is everything else."""
+    (what `convert_to_float8` converted, with the runs' min size: 0, as the toy's layers are far below the default);
+    the root is everything else."""
     from hfsdp.core import Float8Config, convert_to_float8
     from hfsdp.core.fp8.linear import Float8Linear
 
     from tests.support.fp8_models import make_fp8_toy
 
     model = make_fp8_toy()
-    convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers))
+    convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers), min_size=0)
     units = []
     for i, block in enumerate(model.layers):
         weights = [m.weight for m in block.modules() if isinstance(m, Float8Linear)]

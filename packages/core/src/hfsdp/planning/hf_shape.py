@@ -9,7 +9,9 @@ embeddings are tied). `hfsdp train` shards a Hugging Face model's experts as den
 parameters (it marks no expert mesh for them), so here they count as dense too.
 
 FP8 (`--fp8-format`) converts the layer's q/k/v/o and MLP projections whose dims are multiples
-of 16; Mixtral's router and fused experts are not `nn.Linear` layers, so only its attention is.
+of 16 and whose in*out/(in+out) reaches the run's min size (`--fp8-min-size`, 2048 by default: at
+Llama-3-8B's shape q/o and the MLP, not k/v); Mixtral's router and fused experts are not `nn.Linear`
+layers, so only its attention is.
 
 Missing fields take transformers' defaults for the family, as `AutoConfig.for_model` would.
 """
@@ -19,7 +21,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hfsdp.planning.model_shape import HF_FAMILIES, ModelShape, ModelShapeError, UnitParams, fp8_linears
+from hfsdp.planning.model_shape import (
+    FP8_MIN_SIZE,
+    HF_FAMILIES,
+    ModelShape,
+    ModelShapeError,
+    UnitParams,
+    fp8_linears,
+)
 
 #: transformers' defaults of the fields the counts need, per family (LlamaConfig() etc., transformers 5).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -35,8 +44,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def hf_shape(config: Mapping[str, Any], source: str = "the model config") -> ModelShape:
-    """The shape of the causal LM a config.json's fields describe; `source` names the file in errors."""
+def hf_shape(
+    config: Mapping[str, Any], source: str = "the model config", fp8_min_size: float = FP8_MIN_SIZE
+) -> ModelShape:
+    """The shape of the causal LM a config.json's fields describe; `source` names the file in errors, `fp8_min_size`
+    is the run's `--fp8-min-size` (which Linear layers fp8 would convert)."""
     family = config.get("model_type")
     if family not in HF_FAMILIES:
         raise ModelShapeError(
@@ -80,7 +92,7 @@ def hf_shape(config: Mapping[str, Any], source: str = "the model config") -> Mod
     else:
         dense, active = 2 * h + attention + mlp, matmul_attention + matmul_mlp
     linears = [(q, h), (kvd, h), (kvd, h), (h, q)] + ([] if family == "mixtral" else [(f, h), (f, h), (h, f)])
-    fp8, fp8_weights = fp8_linears(linears)
+    fp8, fp8_weights = fp8_linears(linears, fp8_min_size)
     units = [UnitParams(f"model.layers.{i}", dense, 0, active, fp8, fp8_weights) for i in range(layers)]
     tied = bool(fields.get("tie_word_embeddings", False))
     root = vocab * h + h + (0 if tied else vocab * h)

@@ -20,6 +20,10 @@ MEGATRON_GPT = "megatron-gpt"
 HF_FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
 #: fp8 matmuls take a Linear layer only when both its dims are multiples of this (`hfsdp.core.fp8.convert`).
 FP8_MULTIPLE = 16
+#: `hfsdp.core.fp8.convert`'s size rule, repeated here so that planning imports no torch (convert.py imports
+#: torch.nn): a Linear layer is converted only when `fp8_size` reaches the run's min size (`--fp8-min-size`), by
+#: default this, `DEFAULT_MIN_SIZE` there (tests/planning/test_plan_fp8.py checks that both agree).
+FP8_MIN_SIZE = 2048
 
 
 class ModelShapeError(ValueError):
@@ -33,8 +37,9 @@ class UnitParams:
     `active_matmul` is the weight elements one token multiplies on its way through the unit
     (the router's top-k experts only), which is what its FLOPs follow. `fp8` is the elements of
     the dense weights `convert_to_float8` would convert (the unit's Linear layers with both dims
-    multiples of 16; no router, no bias), `fp8_weights` how many weights they are: with the fp8
-    gather they are a group of their own, and each weight has one amax in its all-reduce.
+    multiples of 16 and in*out/(in+out) at least the run's min size; no router, no bias),
+    `fp8_weights` how many weights they are: with the fp8 gather they are a group of their own, and
+    each weight has one amax in its all-reduce.
     """
 
     name: str
@@ -96,10 +101,17 @@ class ModelShape:
         return f"{self.family}, {self.layers} layers, hidden {self.hidden}{moe}, {billions(self.params)} parameters"
 
 
-def fp8_linears(shapes: list[tuple[int, int]]) -> tuple[int, int]:
+def fp8_size(out_features: int, in_features: int) -> float:
+    """in * out / (in + out): what decides whether fp8 pays for a Linear layer (`hfsdp.core.fp8.convert.size_of`,
+    the same expression, so the same float)."""
+    return in_features * out_features / (in_features + out_features)
+
+
+def fp8_linears(shapes: list[tuple[int, int]], min_size: float = FP8_MIN_SIZE) -> tuple[int, int]:
     """(elements, weights) of the Linear layers of (out_features, in_features) `shapes` that fp8 converts: those
-    whose dims are both multiples of 16 (the others stay in the compute dtype, as `convert_to_float8` leaves them)."""
-    taken = [o * i for o, i in shapes if o % FP8_MULTIPLE == 0 and i % FP8_MULTIPLE == 0]
+    whose dims are both multiples of 16 and whose `fp8_size` is at least `min_size` (0: every one whose dims fit);
+    the others stay in the compute dtype, as `convert_to_float8` leaves them."""
+    taken = [o * i for o, i in shapes if o % FP8_MULTIPLE == 0 and i % FP8_MULTIPLE == 0 and fp8_size(o, i) >= min_size]
     return sum(taken), len(taken)
 
 

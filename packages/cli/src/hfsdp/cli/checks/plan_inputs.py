@@ -23,9 +23,9 @@ MEASURED_MFU = {MEGATRON_GPT: 0.27, "hf": 0.40}
 def model_shape(cfg: TrainConfig) -> ModelShape:
     """The run's model: `--model-config`'s fields (read by the one reader of Hugging Face configs, with its bounds),
     or the GPT of the model flags. Raises HFModelError or ModelShapeError (both ValueError) with a message naming
-    the flag or the file."""
+    the flag or the file. Its fp8 weights are those `convert_to_float8` would convert with the run's min size."""
     if cfg.model_config is not None:
-        return hf_shape(read_hf_config(cfg.model_config), f"--model-config {cfg.model_config}")
+        return hf_shape(read_hf_config(cfg.model_config), f"--model-config {cfg.model_config}", cfg.fp8_min_size)
     return gpt_shape(
         layers=cfg.layers,
         hidden=cfg.hidden,
@@ -41,8 +41,9 @@ def model_shape(cfg: TrainConfig) -> ModelShape:
 
 def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
     """The step `hfsdp train` runs: its microbatches, dtype, recompute and offload, and the precision-aware optimizer's
-    gradient and moment dtypes, and whether the fp8 weights are gathered in fp8; the root of a Hugging Face model frees
-    its parameters after forward (`build_model`), the GPT's keeps them."""
+    gradient and moment dtypes, and whether the fp8 weights are gathered in fp8 (not when no layer is large enough to
+    be converted: `build_model` then asks no fp8 gather); the root of a Hugging Face model frees its parameters after
+    forward (`build_model`), the GPT's keeps them."""
     return Settings(
         seq=cfg.seq_len,
         micro_batch=cfg.layout.micro_batch_size,
@@ -53,7 +54,7 @@ def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
         root_resharded=shape.family != MEGATRON_GPT,
         reduce_bytes=2 if cfg.main_grads_dtype == "bf16" else 4,
         moment_dtypes=(cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype),
-        fp8_param_gather=cfg.fp8 is not None and cfg.fp8_param_gather,
+        fp8_param_gather=cfg.fp8 is not None and cfg.fp8_param_gather and any(u.fp8 for u in shape.units),
     )
 
 

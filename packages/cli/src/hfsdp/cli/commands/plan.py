@@ -30,9 +30,10 @@ def plan(**flags: Any) -> None:
 
     The defaults describe 8 x H200 nodes with NVLink (450 GB/s per GPU each way) and 400 Gb/s per GPU between nodes;
     communication times are unvalidated (docs/planning.md). With --fp8-format and --fp8-param-gather the converted
-    weights are gathered at one byte per element (their amaxes max-reduced once per step); fp8's faster matmuls are
-    not modelled: compute runs at --mfu of --peak-tflops. Exit codes: 0 a plan, 1 invalid settings, 2 a file cannot
-    be used (or --plot without matplotlib).
+    weights (those train converts: dims multiples of 16, in*out/(in+out) >= --fp8-min-size) are gathered at one byte
+    per element (their amaxes max-reduced once per step); fp8's faster matmuls are not modelled: compute runs at
+    --mfu of --peak-tflops. Exit codes: 0 a plan, 1 invalid settings, 2 a file cannot be used (or --plot without
+    matplotlib).
     """
     code = _plan(flags)
     raise typer.Exit(code)

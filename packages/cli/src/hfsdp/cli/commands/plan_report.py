@@ -26,19 +26,27 @@ def _header(inputs) -> list[str]:
     return [
         f"Plan for {inputs.shape.describe()} on {c.nodes} x {c.gpus_per_node} GPUs ({c.world} ranks).",
         f"Step: {run.microbatches} microbatch(es) of {run.micro_batch} x {run.seq} tokens per rank (global batch "
-        f"{layout.global_batch_size}), {cfg.dtype}{_fp8(cfg)}, recompute {'on' if run.recompute else 'off'}, "
+        f"{layout.global_batch_size}), {cfg.dtype}{_fp8(inputs)}, recompute {'on' if run.recompute else 'off'}, "
         f"offload {cfg.offload}.",
         f"Cluster: {c.gpu_memory_gib:.1f} GiB per GPU, {c.intra_gbps:g} GB/s inside a node, {c.inter_gbps:g} GB/s "
         f"between nodes, {c.peak_tflops:g} TFLOP/s x MFU {inputs.mfu:.2f}.",
     ]
 
 
-def _fp8(cfg) -> str:
-    """', fp8 hybrid tensorwise, weights gathered in fp8' (or nothing without fp8): what the header says of it. Its
-    faster matmuls are not modelled (compute runs at --mfu of --peak-tflops); its gathers are counted."""
+def _fp8(inputs) -> str:
+    """', fp8 hybrid tensorwise on 5 Linear layers per transformer layer (in*out/(in+out) >= 2048), weights gathered
+    in fp8' (or nothing without fp8): what the header says of it. Its faster matmuls are not modelled (compute runs
+    at --mfu of --peak-tflops); its gathers are counted."""
+    cfg = inputs.cfg
     if cfg.fp8 is None:
         return ""
-    return f", fp8 {cfg.fp8} {cfg.fp8_recipe}, weights gathered in {'fp8' if cfg.fp8_param_gather else cfg.dtype}"
+    per_layer = max(u.fp8_weights for u in inputs.shape.units)
+    size = f"in*out/(in+out) >= {cfg.fp8_min_size:g}"
+    said = f", fp8 {cfg.fp8} {cfg.fp8_recipe}"
+    if not per_layer:
+        return f"{said} on no Linear layer (none has dims multiples of 16 and {size}), so all {cfg.dtype}"
+    gathered = "fp8" if inputs.run.fp8_param_gather else cfg.dtype
+    return f"{said} on {per_layer} Linear layers per transformer layer ({size}), weights gathered in {gathered}"
 
 
 def _shown_rows(rows: list[Evaluated], inputs, show_all: bool) -> list[Evaluated]:
@@ -125,6 +133,7 @@ def report_json(inputs, rows: list[Evaluated], best: Evaluated | None, why: str)
                  "global_batch_size": inputs.cfg.layout.global_batch_size, "dtype": inputs.cfg.dtype,
                  "recompute": run.recompute, "offload": inputs.cfg.offload, "fp8": inputs.cfg.fp8,
                  "fp8_recipe": inputs.cfg.fp8_recipe if inputs.cfg.fp8 else None,
+                 "fp8_min_size": inputs.cfg.fp8_min_size if inputs.cfg.fp8 else None,
                  "fp8_param_gather": run.fp8_param_gather},
         "layouts": [row_dict(inputs, r) for r in rows],
         "recommended": layout_name(best.cfg) if best is not None else None,
