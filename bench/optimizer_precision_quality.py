@@ -299,6 +299,8 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
         "shape": asdict(args.shape),
         "params": sum(p.numel() for p in model.parameters()),
         "tokens": args.steps * args.rows * args.shape.seq,
+        "eval_rows": args.eval_rows,
+        "eval_every": args.eval_every,
         "optimizer_dtypes": [str(d) for d in opt.dtypes],
         "backends_used": sorted(opt.backends_used),
         "leftover_grad_dtypes": sorted(str(d) for d in grads),
@@ -351,6 +353,7 @@ def run(args) -> list[dict]:
                 record = train_run(args, BY_NAME[name], seed, (train, held))
                 record["train_loss_last_10pct"] = _tail(record["train_curve"], args.steps)
                 record["torch"] = torch.__version__
+                record["corpus"] = info  # the interpreter's standard library: another Python, other bytes
                 out.write(json.dumps(record) + "\n")
                 out.flush()
                 records.append(record)

@@ -88,6 +88,7 @@ def test_fp8_settings_train_and_record_their_conversion(tmp_path):
     for r in runs:
         assert r["nonfinite_train_losses"] == 0 and math.isfinite(r["eval_loss"]) and r["device"] == "cpu"
         assert r["compute"] == "bf16" and r["backends_used"] == ["torch"]
+        assert (r["eval_rows"], r["eval_every"]) == (4, 4) and r["corpus"]["files"] > 0
     # one layer: qkv, proj, gate_up and down, every dimension a multiple of 16
     assert by["fp8 tensorwise hybrid"]["fp8_summary"] == (
         "fp8 (hybrid, tensorwise): 4 of 4 Linear layers in the units multiply in fp8"
