@@ -17,9 +17,12 @@ what issue 38 or issue 39 adds. Issue 38, optimizer-state precision (the default
     bf16 grads+moments       bf16                      bf16      bf16        all three bf16 (Megatron's "together")
     bf16 grads+fp8 moments   bf16                      fp8       fp8         the same with fp8 moments
 
-Issue 39, fp8 compute: `hfsdp.core.convert_to_float8(model, Float8Config(format, recipe), units=model.layers)`
-before `fully_shard` turns the transformer layers' Linear layers (qkv, proj, gate_up, down) into `Float8Linear`
-(`torch._scaled_mm`); the embedding, norms and output layer stay bf16. Optimizer state and gradients as fp32's:
+Issue 39, fp8 compute: `hfsdp.core.convert_to_float8(model, Float8Config(format, recipe), units=model.layers,
+min_size=--fp8-min-size)` before `fully_shard` turns the transformer layers' Linear layers (qkv, proj, gate_up,
+down) into `Float8Linear` (`torch._scaled_mm`); the embedding, norms and output layer stay bf16. `--fp8-min-size`
+is 0 here (every layer whose dims are multiples of 16: the quality of fp8 arithmetic itself), where `hfsdp train`'s
+default, 2048, converts only layers large enough to gain speed (none at hidden 2048). Optimizer state and
+gradients as fp32's:
 
     setting                  Float8Config                             hfsdp train's flags
     bf16                     none (the same run as fp32: bf16 compute, fp32 state; the fp8 rows' baseline)
@@ -131,6 +134,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one rank on GPU 0")
+    p.add_argument(
+        "--fp8-min-size", type=float, default=0.0, help="convert_to_float8(min_size=): 0 converts every layer it can"
+    )
     p.add_argument("--dry-run", action="store_true", help="print each setting's plan (no training, no GPU needed)")
     p.add_argument("--out", default="optimizer_precision.jsonl")
     args = p.parse_args(argv)
@@ -164,14 +170,14 @@ def plan(args) -> dict:
     }
 
 
-def convert(model, setting: Setting):
+def convert(model, setting: Setting, min_size: float):
     """The fp8 conversion of the model's transformer layers (in place), or None for bf16 compute."""
     if setting.fp8_format is None:
         return None
     from hfsdp.core import Float8Config, convert_to_float8
 
     config = Float8Config(format=setting.fp8_format, recipe=setting.fp8_recipe)
-    return convert_to_float8(model, config, units=list(model.layers), min_size=0)
+    return convert_to_float8(model, config, units=list(model.layers), min_size=min_size)
 
 
 def build(args, setting: Setting, seed: int):
@@ -183,7 +189,7 @@ def build(args, setting: Setting, seed: int):
     torch.manual_seed(seed)
     with torch.device(where["device"]):
         model = Llama(args.shape)
-    conversion = convert(model, setting)  # before fully_shard, as hfsdp train does
+    conversion = convert(model, setting, args.fp8_min_size)  # before fully_shard, as hfsdp train does
     cfg = LayoutConfig(world_size=1)
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=_dtype(setting.grads))
     sharded = fully_shard(model, cfg, build_meshes(cfg, args.device), units=list(model.layers), mp=mp)
@@ -207,7 +213,7 @@ def dry_run(args) -> list[dict]:
         setting = BY_NAME[name]
         with torch.device("meta"):
             model = Llama(args.shape)
-        conversion = convert(model, setting)
+        conversion = convert(model, setting, args.fp8_min_size)
         line = {
             "setting": name,
             **plan(args),
@@ -284,6 +290,7 @@ def train_run(args, setting: Setting, seed: int, data) -> dict:
         "setting": setting.name,
         **{k: v for k, v in asdict(setting).items() if k != "name"},
         "fp8_summary": fp8_summary,
+        "fp8_min_size": args.fp8_min_size if setting.fp8_format else None,
         **plan(args),
         "seed": seed,
         "schedule": args.schedule,

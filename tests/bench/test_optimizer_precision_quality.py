@@ -126,6 +126,10 @@ def test_the_cuda_run_plans_the_large_model_without_a_gpu(tmp_path):
             assert "64 of 64 Linear layers in the units multiply in fp8" in line["fp8"]
         else:
             assert line["fp8"] is None
+    # hfsdp train's default size rule converts none of this shape's layers: the script's default min size is 0
+    cmd[cmd.index("--settings") + 1 :] = ["fp8 tensorwise hybrid", "--fp8-min-size", "2048"]
+    done = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, timeout=120)
+    assert "0 of 64 Linear layers" in json.loads(done.stdout)["fp8"]
 
 
 def test_cuda_without_a_gpu_is_refused_before_anything_starts():
