@@ -61,6 +61,20 @@ def test_rowwise_scales_each_row_and_keeps_the_weight_gradient_in_bf16():
     torch.testing.assert_close(w.grad, (grad.t() @ x.detach()), rtol=0, atol=0)  # dW in bf16, as nn.Linear's
 
 
+@pytest.mark.parametrize("recipe", [("hybrid", "tensorwise"), ("e4m3", "rowwise")])
+def test_a_frozen_weight_gets_no_gradient_and_the_input_the_same_one(recipe):
+    torch.manual_seed(3)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
+    grad = torch.randn(32, 48, dtype=torch.bfloat16)
+    float8_linear(x, w, None, Float8Config(*recipe)).backward(grad)
+    frozen_dx = x.grad.clone()
+    x.grad = None
+    w.requires_grad_()
+    float8_linear(x, w, None, Float8Config(*recipe)).backward(grad)
+    assert torch.equal(x.grad, frozen_dx) and w.grad is not None
+
+
 def test_scales_are_powers_of_two_that_fit_the_amax_in_range():
     amax = torch.tensor([1e-3, 0.7, 1.0, 448.0, 449.0, 3e4, 0.0])
     for dtype in (scaling.E4M3, scaling.E5M2):

@@ -57,8 +57,11 @@ class _TensorwiseMatmul(torch.autograd.Function):
         x_fp8, x_scale, w_fp8, w_scale = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         g_fp8, g_scale = scaling.tensorwise(grad, ctx.grad_dtype)
-        grad_x = _scaled_mm(g_fp8, _column_major(w_fp8), g_scale, w_scale, x_dtype)
-        grad_w = _scaled_mm(g_fp8.t().contiguous(), _column_major(x_fp8), g_scale, x_scale, w_dtype)
+        grad_x = grad_w = None  # only what autograd asks for: a frozen weight (a LoRA base) needs no dW
+        if ctx.needs_input_grad[0]:
+            grad_x = _scaled_mm(g_fp8, _column_major(w_fp8), g_scale, w_scale, x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _scaled_mm(g_fp8.t().contiguous(), _column_major(x_fp8), g_scale, x_scale, w_dtype)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -76,10 +79,13 @@ class _RowwiseMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        g_fp8, g_scale = scaling.rowwise(grad, ctx.fwd_dtype)
-        w_fp8, w_scale = scaling.rowwise(weight, ctx.fwd_dtype, dim=0)  # one scale per column of W
-        grad_x = _scaled_mm(g_fp8, _column_major(w_fp8), g_scale, w_scale, x.dtype)
-        grad_w = (grad.t().to(weight.dtype) @ x.to(weight.dtype)).to(weight.dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_fp8, g_scale = scaling.rowwise(grad, ctx.fwd_dtype)
+            w_fp8, w_scale = scaling.rowwise(weight, ctx.fwd_dtype, dim=0)  # one scale per column of W
+            grad_x = _scaled_mm(g_fp8, _column_major(w_fp8), g_scale, w_scale, x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad.t().to(weight.dtype) @ x.to(weight.dtype)).to(weight.dtype)
         return grad_x, grad_w, None
 
 
