@@ -80,8 +80,19 @@ def _train(rank, world, case, gather: bool):
                 losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+    from hfsdp.core import sharding_of
+
+    # an fp8 group that keeps no compute-dtype shard quantizes what the optimizer step wrote (prestaged gathers)
+    groups = [g for g in sharding_of(model).groups if g.fp8 is not None and g.param_shard is None]
+    staged = [g.fp8.staged is not None for g in groups]
     gathers = [(r.element_size, r.numel) for r in log.records if r.op == "all_gather"]
-    return {"losses": losses, "state": model.state_dict(), "gathers": gathers, "bytes": log.bytes_sent(op="all_gather")}
+    return {
+        "losses": losses,
+        "state": model.state_dict(),
+        "gathers": gathers,
+        "bytes": log.bytes_sent(op="all_gather"),
+        "staged": staged,
+    }
 
 
 def _shard(model, layout: str, world: int, **kwargs):
@@ -162,6 +173,8 @@ def test_fp8_gather_trains_bit_for_bit_like_the_layers_quantizing_themselves(res
     assert plain["state"].keys() == fp8["state"].keys()
     for name, value in plain["state"].items():
         assert torch.equal(value, fp8["state"][name]), name
+    if case == "HSDP 2x3, FusedAdamW prestaged":
+        assert fp8["staged"] and all(fp8["staged"])  # the step's own bf16 weights are what gets quantized
     losses = torch.tensor(fp8["losses"])
     assert torch.isfinite(losses).all() and losses[-2:].mean() < losses[:2].mean()  # it trains
 

@@ -249,14 +249,26 @@ class FlatParamGroup:
             sharded = self.layout.sharded_axes(State.PARAM)
             if self.fp8 is not None:  # this rank's piece quantized (once per step), gathered as fp8 bytes
                 if not self.fp8.fresh:
-                    source = self.param_shard if self.param_shard is not None else self.main.to(self.compute_dtype)
-                    self.fp8.refresh(source)
+                    self.fp8.refresh(self._fp8_source())
                 piece, out = self.fp8.shard.view(torch.uint8), self.unsharded.view(torch.uint8)
             else:
                 piece, out = self._gather_input(), self.unsharded
             self.comms.gather(piece, sharded, self.plan.param_gather, out, 0)
             self._gather_event = self.streams.record("gather")
         self.state = ParamState.GATHERING
+
+    def _fp8_source(self) -> torch.Tensor:
+        """What an fp8 group quantizes: this rank's piece in the compute dtype, the kept shard, or what the optimizer
+        step wrote (`compute_weights_out`, held until compute has waited for the gather that reads it), or else a
+        cast of `main`."""
+        if self.param_shard is not None:
+            return self.param_shard
+        staged, self.fp8.staged = self.fp8.staged, None
+        if self._gather_input_ready and staged is not None:
+            self._gather_input_ready = False
+            self.fp8.reading = staged
+            return staged
+        return self.main.to(self.compute_dtype)
 
     def _gather_input(self) -> torch.Tensor:
         """This rank's piece in the compute dtype: the kept shard, or the cast of `main` into its own slot of
@@ -277,6 +289,8 @@ class FlatParamGroup:
             self.streams.wait("compute", self._gather_event)
             self._gather_event = None
             self.state = ParamState.UNSHARDED
+            if self.fp8 is not None:
+                self.fp8.reading = None  # the staged weights the gather stream quantized: free once compute waited
 
     def reshard(self) -> None:
         """Free the unsharded parameters (only where they are sharded), after any gather into them."""
@@ -437,7 +451,12 @@ class FlatParamGroup:
             return None
         if self.param_shard is not None:
             return self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
-        if not prestage or self.state is ParamState.GATHERING or self.fp8 is not None:
+        if self.fp8 is not None:  # an fp8 group quantizes the step's compute-dtype weights before its gather
+            if not prestage:
+                return None
+            self.fp8.staged = torch.empty(self.main.numel(), dtype=self.compute_dtype, device=self.device)
+            return self.fp8.staged
+        if not prestage or self.state is ParamState.GATHERING:
             return None
         if self.state is ParamState.SHARDED:  # allocated on the compute stream, which the step runs on
             self.unsharded.untyped_storage().resize_(self.padded * self.unsharded.element_size())

@@ -42,6 +42,10 @@ class Fp8Weights:
         ]
         self._carrier = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
         self.fresh = False  # `shard` and `scales` hold the current weights
+        # Where the optimizer step wrote this rank's piece in the compute dtype (prestaged gathers), until the
+        # quantization reads it; then `reading`, until compute has waited for that (the gather stream reads it).
+        self.staged: torch.Tensor | None = None
+        self.reading: torch.Tensor | None = None
         self.unsharded = torch.empty(flat.padded, dtype=FP8_WEIGHT_DTYPE, device=device)
         # What each layer reads while its unit computes. Tensors of their own over views (as the module parameters
         # are): a gather into `unsharded` for backward must not count as a change to what forward saved.
