@@ -145,6 +145,12 @@ def test_by_default_only_layers_large_enough_to_gain_are_converted():
     assert convert_to_float8(nn.Sequential(small), Float8Config(), units=[small]).converted == []
 
 
+def test_a_model_without_linear_layers_in_its_units_says_so():
+    unit = nn.Sequential(nn.LayerNorm(32))
+    summary = convert_to_float8(nn.Sequential(unit), Float8Config(), units=[unit]).summary()
+    assert "the units hold no torch.nn.Linear layer" in summary and "TransformerEngine" in summary
+
+
 def test_config_refusals_name_the_field():
     with pytest.raises(ValueError, match="format='e5m2'"):
         Float8Config("e5m2")

@@ -40,6 +40,12 @@ class Float8Conversion:
     def summary(self) -> str:
         """One line for a run's start."""
         total = len(self.converted) + len(self.skipped)
+        if total == 0:
+            return (
+                f"fp8 ({self.config.format}, {self.config.recipe}): the units hold no torch.nn.Linear layer, so "
+                "nothing multiplies in fp8 (a megatron-core GPT's parallel linears are its own classes, which need "
+                "TransformerEngine for fp8)"
+            )
         line = (
             f"fp8 ({self.config.format}, {self.config.recipe}): {len(self.converted)} of {total} Linear layers "
             "in the units multiply in fp8"
