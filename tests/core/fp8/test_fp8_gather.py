@@ -78,9 +78,20 @@ def _train(rank, world, case, gather: bool):
                 loss = model(*fp8_batch(step, rank, world, index, MICROBATCHES))
                 loss.backward()
                 losses.append(loss.item())
-        opt.step()
+        with record_comms() as step_log:
+            opt.step()
         opt.zero_grad()
     from hfsdp.core import sharding_of
+
+    post_step = sorted({(r.axis, r.element_size) for r in step_log.records if r.op == "all_gather"})
+    # every group's compute-dtype piece as state views give it: where the post-step gather moved fp8 it is gathered
+    # on demand (collective), and must equal the cast of the main weights
+    views = sharding_of(model).sharded_buffers()
+    cast_ok = all(
+        torch.equal(v["param"].full_tensor(), v["main"].full_tensor().to(torch.bfloat16))
+        for v, g in zip(views, sharding_of(model).groups, strict=True)
+        if not g.frozen
+    )
 
     # an fp8 group that keeps no compute-dtype shard quantizes what the optimizer step wrote (prestaged gathers)
     groups = [g for g in sharding_of(model).groups if g.fp8 is not None and g.param_shard is None]
@@ -92,6 +103,8 @@ def _train(rank, world, case, gather: bool):
         "gathers": gathers,
         "bytes": log.bytes_sent(op="all_gather"),
         "staged": staged,
+        "post_step": post_step,
+        "cast_ok": cast_ok,
     }
 
 
@@ -173,6 +186,7 @@ def test_fp8_gather_trains_bit_for_bit_like_the_layers_quantizing_themselves(res
     assert plain["state"].keys() == fp8["state"].keys()
     for name, value in plain["state"].items():
         assert torch.equal(value, fp8["state"][name]), name
+    assert fp8["cast_ok"] and plain["cast_ok"]
     if case == "HSDP 2x3, FusedAdamW prestaged":
         assert fp8["staged"] and all(fp8["staged"])  # the step's own bf16 weights are what gets quantized
     losses = torch.tensor(fp8["losses"])
@@ -189,6 +203,11 @@ def test_the_fp8_weights_are_gathered_one_byte_per_element(results, case):
         assert len(one_byte) == 3 * MICROBATCHES * 2
         # the fp8 weights are 3072 of each unit's 3440 elements (the root gathers 321 in bf16): ~57% of the bytes
         assert 0.50 < fp8["bytes"] / plain["bytes"] < 0.60
+        # HFSDP's post-step gather over the outer axis moves the fp8 weights in fp8 too, the rest in bf16
+        if case.startswith("HFSDP"):
+            assert plain["post_step"] == [("dp_outer", 2)] and fp8["post_step"] == [("dp_outer", 1), ("dp_outer", 2)]
+        else:
+            assert plain["post_step"] == fp8["post_step"] == []
 
 
 def test_fully_shard_refuses_fp8_gather_it_cannot_do(results):

@@ -153,9 +153,12 @@ class FlatParamGroup:
                 self.param_shard = full[param_slice].to(self.compute_dtype, copy=True)
         # Whether `unsharded` is built (gathered, or cast from `main`) each time the unit runs.
         self.transient_unsharded = bool(self.flat.plan.param_gather) or self.param_shard is None
+        self.fp8_outer = False  # the post-step gather moves fp8 (`fp8_gather.py`)
+        self._param_shard_stale = False  # fp8_outer: `param_shard` holds only the optimizer piece's new weights
         if self.fp8_requested and self.flat.plan.param_gather:
             sharded = self.layout.sharded_axes(State.PARAM)
             self.fp8 = Fp8Weights(self.flat, self.comms, sharded, self.compute_dtype, self.device)
+            self.fp8_outer = self.param_shard is not None and not self.offload and bool(self.plan.post_step_gather)
             self.unsharded = self.fp8.unsharded
             for slot in self.slots:
                 _point(slot.param, self.fp8.carrier(slot.shape))
@@ -426,7 +429,9 @@ class FlatParamGroup:
                     self.streams.wait("gather", self._stepped)
                     if self.offload:  # from pinned host memory, cast on the device; overlaps the next forward
                         piece.copy_(self.main.to(self.device, non_blocking=True))
-                    if self.plan.post_step_gather:
+                    if self.fp8_outer:
+                        self._gather_fp8_outer(piece)
+                    elif self.plan.post_step_gather:
                         sharded = self.layout.sharded_axes(State.OPTIM)
                         self.comms.gather(piece, sharded, self.plan.post_step_gather, self.param_shard, lo)
                     self._new_weights = self.streams.record("gather")
@@ -435,6 +440,18 @@ class FlatParamGroup:
         if self.transient_unsharded and self.state is ParamState.UNSHARDED:
             self.state = ParamState.SHARDED  # stale: gather again (the storage is still there)
             self.start_unshard()  # on the gather stream, after the gather above
+
+    def _gather_fp8_outer(self, piece: torch.Tensor) -> None:
+        """HFSDP's post-step gather of an fp8 group (on the gather stream): quantize the optimizer piece `piece`
+        (the amaxes over every axis that shards the optimizer) and gather the fp8 bytes into the fp8 parameter piece,
+        which the next forward's gather takes as it is. The compute-dtype shard outside `piece` is stale until a
+        reader asks for it (`compute_shard`)."""
+        sharded = self.layout.sharded_axes(State.OPTIM)
+        self.fp8.refresh(piece, self.optim_range, sharded)
+        fp8_piece = self.fp8.shard[FlatLayout.within(self.param_range, self.optim_range)].view(torch.uint8)
+        shard = self.fp8.shard.view(torch.uint8)
+        self.comms.gather(fp8_piece, sharded, self.plan.post_step_gather, shard, self.param_range[0])
+        self.fp8.fresh, self._param_shard_stale = True, True
 
     def compute_weights_out(self, prestage: bool) -> torch.Tensor | None:
         """Where an optimizer that writes the new weights in the compute dtype as it steps (`FusedAdamW`) may put
@@ -467,8 +484,15 @@ class FlatParamGroup:
         self._compute_weights_written = True
 
     def compute_shard(self) -> torch.Tensor:
-        """This rank's parameter piece in the compute dtype (a fresh cast of `main` where none is kept)."""
+        """This rank's parameter piece in the compute dtype (a fresh cast of `main` where none is kept). Collective
+        for an fp8 group whose post-step gather moved fp8 (`fp8_outer`): the compute-dtype piece is gathered then,
+        by every rank (its readers, state views and checkpoint saves, run on every rank in group order)."""
         self.wait_for_publish()
+        if self._param_shard_stale:
+            piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
+            sharded = self.layout.sharded_axes(State.OPTIM)
+            self.comms.gather(piece, sharded, self.plan.post_step_gather, self.param_shard, self.param_range[0])
+            self._param_shard_stale = False
         return self.param_shard if self.param_shard is not None else self.main.to(self.compute_dtype)
 
     @contextmanager

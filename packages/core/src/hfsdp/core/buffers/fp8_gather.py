@@ -11,6 +11,12 @@ depends only on the element and that scale. The piece is quantized from the same
 the bf16 gather would have sent (the cast of the fp32 main weights), once per optimizer step: a
 backward that gathers the unit again reuses it.
 
+Where the parameters are replicated over an axis that shards the optimizer (HFSDP's outer axis,
+`FlatParamGroup.fp8_outer`), the post-step gather over that axis moves fp8 too: right after the step
+each rank quantizes its optimizer piece (the amaxes max-reduced over every axis that shards the
+optimizer, so again the whole weight's) and the gather grows it into the fp8 parameter piece, which
+the forward's gather then takes as it is.
+
 While the unit computes, each layer's `weight` attribute is a *carrier*: a tensor of the weight's shape
 and dtype on one NaN element, which autograd hands the weight's gradient to; the layer multiplies
 `fp8_weight` (a view of the gathered fp8 buffer) with `fp8_weight_scale` instead.
@@ -34,12 +40,6 @@ class Fp8Weights:
         lo, hi = flat.param_range
         self.shard = torch.zeros(hi - lo, dtype=FP8_WEIGHT_DTYPE, device=device)
         self.scales = torch.ones(len(flat.slots), dtype=torch.float32, device=device)
-        # (slot index, start, stop) of each slot's part of this rank's piece, relative to the piece
-        self.segments = [
-            (i, max(slot.offset, lo) - lo, min(slot.stop, hi) - lo)
-            for i, slot in enumerate(flat.slots)
-            if max(slot.offset, lo) < min(slot.stop, hi)
-        ]
         self._carrier = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
         self.fresh = False  # `shard` and `scales` hold the current weights
         # Where the optimizer step wrote this rank's piece in the compute dtype (prestaged gathers), until the
@@ -56,21 +56,37 @@ class Fp8Weights:
         """What a layer's `weight` is while its unit computes: the weight's shape, no storage of its own."""
         return self._carrier.expand(shape)
 
-    def refresh(self, source: torch.Tensor) -> None:
-        """Quantize this rank's piece from `source`, the same piece in the compute dtype (collective: the amaxes
-        are max-reduced over the axes that shard the parameters)."""
+    def refresh(self, source: torch.Tensor, covers: tuple[int, int] | None = None, axes=None) -> None:
+        """Quantize `source`, the compute-dtype values of the flat range `covers` (default: this rank's parameter
+        piece; HFSDP's post-step path passes the optimizer piece inside it), into its place in `shard`. Collective:
+        the amaxes are max-reduced over `axes`, the axes that shard `covers` (default: those of the parameters)."""
+        covers = covers or self.flat.param_range
+        axes = self.sharded_axes if axes is None else axes
+        base = covers[0] - self.flat.param_range[0]
+        segments = _segments(self.flat, covers)
         amax = torch.zeros(len(self.flat.slots), dtype=torch.float32, device=self.shard.device)
-        for i, start, stop in self.segments:
+        for i, start, stop in segments:
             amax[i] = source[start:stop].abs().amax().float()
-        for k in self.sharded_axes:
+        for k in axes:
             self.comms.all_reduce(k, amax, op=dist.ReduceOp.MAX)
         self.scales.copy_(scaling.amax_to_scale(amax, FP8_WEIGHT_DTYPE))
-        for i, start, stop in self.segments:
-            self.shard[start:stop] = scaling.quantize(source[start:stop], self.scales[i], FP8_WEIGHT_DTYPE)
-        self.fresh = True
+        for i, start, stop in segments:
+            quantized = scaling.quantize(source[start:stop], self.scales[i], FP8_WEIGHT_DTYPE)
+            self.shard[base + start : base + stop] = quantized
+        self.fresh = covers == self.flat.param_range
 
     def state_bytes(self) -> int:
         return self.shard.numel()
+
+
+def _segments(flat: FlatLayout, covers: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """(slot index, start, stop) of each slot's part of the flat range `covers`, relative to it."""
+    lo, hi = covers
+    return [
+        (i, max(slot.offset, lo) - lo, min(slot.stop, hi) - lo)
+        for i, slot in enumerate(flat.slots)
+        if max(slot.offset, lo) < min(slot.stop, hi)
+    ]
 
 
 def _own(view: torch.Tensor) -> torch.Tensor:
