@@ -83,6 +83,10 @@ def _train(rank, world, case, gather: bool):
         opt.zero_grad()
     from hfsdp.core import sharding_of
 
+    # an fp8 group that keeps no compute-dtype shard quantized what the optimizer step wrote (prestaged gathers),
+    # which it holds until compute has waited for that quantization
+    groups = [g for g in sharding_of(model).groups if g.fp8 is not None and g.param_shard is None]
+    staged = [g.fp8.reading is not None for g in groups]
     post_step = sorted({(r.axis, r.element_size) for r in step_log.records if r.op == "all_gather"})
     # every group's compute-dtype piece as state views give it: where the post-step gather moved fp8 it is gathered
     # on demand (collective), and must equal the cast of the main weights
@@ -93,9 +97,6 @@ def _train(rank, world, case, gather: bool):
         if not g.frozen
     )
 
-    # an fp8 group that keeps no compute-dtype shard quantizes what the optimizer step wrote (prestaged gathers)
-    groups = [g for g in sharding_of(model).groups if g.fp8 is not None and g.param_shard is None]
-    staged = [g.fp8.staged is not None for g in groups]
     gathers = [(r.element_size, r.numel) for r in log.records if r.op == "all_gather"]
     return {
         "losses": losses,

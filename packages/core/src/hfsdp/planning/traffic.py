@@ -94,13 +94,15 @@ def parameter_gather(group: Group, index: int, phase: str, compute_bytes: int) -
 
 def amax_reduction(group: Group, index: int) -> list[Collective]:
     """An fp8 group's once-per-step max of its weights' amaxes: one fp32 per weight, all-reduced over each axis that
-    shards the parameters, outer first (none for any other group)."""
+    shards the pieces it quantizes, outer first: the parameters', or, where the post-step gather moves fp8 too
+    (HFSDP's outer axis), the optimizer's, right after the step (none for any other group)."""
     if not group.gathers_fp8:
         return []
     names, sizes = group.layout.names, group.layout.shape
+    state = State.OPTIM if group.plan.post_step_gather else State.PARAM
     return [
         Collective(index, AMAX, "all_reduce", names[k], sizes[k], group.fp8_weights, AMAX_BYTES)
-        for k in sharded_axes(group.layout, State.PARAM)
+        for k in sharded_axes(group.layout, state)
     ]
 
 
@@ -129,8 +131,10 @@ def final_reductions(group: Group, index: int, reduce_bytes: int) -> list[Collec
 
 
 def post_step_gather(group: Group, index: int, compute_bytes: int) -> list[Collective]:
-    """The gather of the updated weights over axes that replicate parameters but shard the optimizer."""
-    return gathers(group, index, POST_STEP, State.OPTIM, group.plan.post_step_gather, compute_bytes)
+    """The gather of the updated weights over axes that replicate parameters but shard the optimizer: in fp8 for an
+    fp8 group (its optimizer piece quantized right after the step), else in the compute dtype."""
+    size = gather_bytes(group, compute_bytes)
+    return gathers(group, index, POST_STEP, State.OPTIM, group.plan.post_step_gather, size)
 
 
 def gathers_per_microbatch(group: Group, root_resharded: bool, units_resharded: bool = True) -> int:

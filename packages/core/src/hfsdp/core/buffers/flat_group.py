@@ -158,6 +158,7 @@ class FlatParamGroup:
         if self.fp8_requested and self.flat.plan.param_gather:
             sharded = self.layout.sharded_axes(State.PARAM)
             self.fp8 = Fp8Weights(self.flat, self.comms, sharded, self.compute_dtype, self.device)
+            self.fp8.start_from(full.to(self.compute_dtype))
             self.fp8_outer = self.param_shard is not None and not self.offload and bool(self.plan.post_step_gather)
             self.unsharded = self.fp8.unsharded
             for slot in self.slots:
@@ -250,9 +251,7 @@ class FlatParamGroup:
             self.streams.wait("gather", allocated)
             self.streams.wait("gather", self._stepped)  # the step writes the main weights (and the cast of them)
             sharded = self.layout.sharded_axes(State.PARAM)
-            if self.fp8 is not None:  # this rank's piece quantized (once per step), gathered as fp8 bytes
-                if not self.fp8.fresh:
-                    self.fp8.refresh(self._fp8_source())
+            if self.fp8 is not None:  # this rank's piece, quantized when it was published, gathered as fp8 bytes
                 piece, out = self.fp8.shard.view(torch.uint8), self.unsharded.view(torch.uint8)
             else:
                 piece, out = self._gather_input(), self.unsharded
@@ -262,7 +261,7 @@ class FlatParamGroup:
 
     def _fp8_source(self) -> torch.Tensor:
         """What an fp8 group quantizes: this rank's piece in the compute dtype, the kept shard, or what the optimizer
-        step wrote (`compute_weights_out`, held until compute has waited for the gather that reads it), or else a
+        step wrote (`compute_weights_out`, held until compute has waited for the quantization), or else a
         cast of `main`."""
         if self.param_shard is not None:
             return self.param_shard
@@ -414,8 +413,6 @@ class FlatParamGroup:
         still unsharded (the root after a forward without backward).
         """
         written, self._compute_weights_written = self._compute_weights_written, False
-        if self.fp8 is not None:
-            self.fp8.fresh = False
         if self.param_shard is not None:
             lo = self.param_range[0]
             piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
@@ -437,6 +434,13 @@ class FlatParamGroup:
                     self._new_weights = self.streams.record("gather")
         if self.param_shard is None:
             self._gather_input_ready = written  # else stale: a write outside the step (a load) came after it
+        if self.fp8 is not None and not self.fp8_outer:  # quantize the new piece now, overlapping what follows
+            ready = self.streams.record("compute")
+            with self.streams.side("gather"):
+                self.streams.wait("gather", ready)
+                self.streams.wait("gather", self._stepped)
+                self.fp8.refresh(self._fp8_source())
+                self._new_weights = self.streams.record("gather")
         if self.transient_unsharded and self.state is ParamState.UNSHARDED:
             self.state = ParamState.SHARDED  # stale: gather again (the storage is still there)
             self.start_unshard()  # on the gather stream, after the gather above
@@ -451,7 +455,7 @@ class FlatParamGroup:
         fp8_piece = self.fp8.shard[FlatLayout.within(self.param_range, self.optim_range)].view(torch.uint8)
         shard = self.fp8.shard.view(torch.uint8)
         self.comms.gather(fp8_piece, sharded, self.plan.post_step_gather, shard, self.param_range[0])
-        self.fp8.fresh, self._param_shard_stale = True, True
+        self._param_shard_stale = True
 
     def compute_weights_out(self, prestage: bool) -> torch.Tensor | None:
         """Where an optimizer that writes the new weights in the compute dtype as it steps (`FusedAdamW`) may put
@@ -528,6 +532,8 @@ class FlatParamGroup:
         if self._new_weights is not None:
             self.streams.wait("compute", self._new_weights)
             self._new_weights = None
+            if self.fp8 is not None:
+                self.fp8.reading = None  # what the gather stream quantized from: free once compute waited
 
     def state_bytes(self) -> int:
         """Model-state bytes on this rank's device as the memory model counts them: the compute-dtype parameter

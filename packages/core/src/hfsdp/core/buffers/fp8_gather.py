@@ -8,8 +8,9 @@ The bits are exactly those of the layer quantizing the whole weight itself (`fp8
 weight's amax is the max of its pieces' amaxes (one small all-reduce per group, over the axes that
 shard the parameters), its scale a power of two taken from that amax, and each element's fp8 value
 depends only on the element and that scale. The piece is quantized from the same compute-dtype values
-the bf16 gather would have sent (the cast of the fp32 main weights), once per optimizer step: a
-backward that gathers the unit again reuses it.
+the bf16 gather would have sent (the cast of the fp32 main weights), once per optimizer step, right
+after it (`publish_main_weights`, on the gather stream), and from the whole weights when the group is
+built: a backward that gathers the unit again reuses it.
 
 Where the parameters are replicated over an axis that shards the optimizer (HFSDP's outer axis,
 `FlatParamGroup.fp8_outer`), the post-step gather over that axis moves fp8 too: right after the step
@@ -41,7 +42,6 @@ class Fp8Weights:
         self.shard = torch.zeros(hi - lo, dtype=FP8_WEIGHT_DTYPE, device=device)
         self.scales = torch.ones(len(flat.slots), dtype=torch.float32, device=device)
         self._carrier = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
-        self.fresh = False  # `shard` and `scales` hold the current weights
         # Where the optimizer step wrote this rank's piece in the compute dtype (prestaged gathers), until the
         # quantization reads it; then `reading`, until compute has waited for that (the gather stream reads it).
         self.staged: torch.Tensor | None = None
@@ -73,7 +73,16 @@ class Fp8Weights:
         for i, start, stop in segments:
             quantized = scaling.quantize(source[start:stop], self.scales[i], FP8_WEIGHT_DTYPE)
             self.shard[base + start : base + stop] = quantized
-        self.fresh = covers == self.flat.param_range
+
+    def start_from(self, full: torch.Tensor) -> None:
+        """Quantize this rank's piece from `full`, the whole padded group in the compute dtype, which every rank
+        holds when the group is built: each weight's amax is taken whole, so no collective is needed."""
+        amax = torch.stack([full[s.offset : s.stop].abs().amax().float() for s in self.flat.slots])
+        self.scales.copy_(scaling.amax_to_scale(amax, FP8_WEIGHT_DTYPE))
+        lo = self.flat.param_range[0]
+        for i, start, stop in _segments(self.flat, self.flat.param_range):
+            piece = full[lo + start : lo + stop]
+            self.shard[start:stop] = scaling.quantize(piece, self.scales[i], FP8_WEIGHT_DTYPE)
 
     def state_bytes(self) -> int:
         return self.shard.numel()
