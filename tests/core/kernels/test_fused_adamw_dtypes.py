@@ -360,6 +360,15 @@ def _ranks4(rank, world, root):
     load_checkpoint(f"{root}/fp8-fp8", sharded, opt)
     states = [opt.state[p] for p in sharded.parameters() if p.numel()]
     out["torch"] = {(k, str(v.dtype)) for state in states for k, v in state.items() if v.dim()}
+    fused = _optimizer(sharded, "fp8/fp8")
+    _steps(sharded, fused, rank, world, 2, 1)
+    direct = torch.optim.AdamW(sharded.parameters(), lr=LR, weight_decay=WD)
+    direct.load_state_dict(fused.state_dict())  # torch casts the fp8 moments to fp32, scales lost
+    try:
+        _steps(sharded, direct, rank, world, 3, 1)
+        out["direct"] = "stepped"
+    except ValueError as err:
+        out["direct"] = str(err)
     return out
 
 
@@ -430,6 +439,13 @@ def test_a_resume_on_another_world_size_keeps_the_dtypes(engine, option):
         if kind.startswith("exp_avg")
     }
     assert recorded == {(k, d.removeprefix("torch.")) for k, d in want}
+
+
+def test_torch_adamw_refuses_to_step_fp8_moments_loaded_without_their_scales(engine):
+    """`AdamW.load_state_dict(fused.state_dict())` cannot apply FusedAdamW's fp8 scales: the first step refuses it."""
+    for rank in engine[1]:
+        assert "holds 'exp_avg_scale'" in rank["direct"] or "holds 'exp_avg_sq_scale'" in rank["direct"]
+        assert "hfsdp.ckpt.load_checkpoint" in rank["direct"]
 
 
 def test_torch_adamw_loads_fp8_moments_dequantized(engine):

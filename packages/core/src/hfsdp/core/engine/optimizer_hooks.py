@@ -71,6 +71,7 @@ class OptimizerBinding:
             return
         for sharding, pieces in self.models:
             check_elementwise(optimizer, pieces)
+            _check_no_fp8_scales(optimizer, pieces)
             sharding.before_step(pieces)
         self._prepared = True
 
@@ -81,6 +82,26 @@ class OptimizerBinding:
         self._prepared = False
         for sharding, pieces in self.models:
             sharding.after_step(pieces)
+
+
+def _check_no_fp8_scales(optimizer, pieces: list[MainParam]) -> None:
+    """Refuse an optimizer other than FusedAdamW holding FusedAdamW's fp8 scale entries: its state dict was loaded
+    into it directly, and torch's load cast each fp8 moment to fp32 without its scale, so every moment is off by its
+    block's scale (hfsdp's checkpoints dequantize instead)."""
+    from hfsdp.core.kernels.fused_adamw import SCALE_KEYS, FusedAdamW
+
+    if isinstance(optimizer, FusedAdamW):
+        return
+    scales = set(SCALE_KEYS.values())
+    held = next((key for p in pieces for key in optimizer.state.get(p.param, {}) if key in scales), None)
+    if held is not None:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds '{held}', the per-element scale of an fp8 moment of hfsdp's FusedAdamW: "
+            "its state dict was loaded with load_state_dict, which casts the fp8 moments to fp32 without their "
+            "scales, so the moments are wrong. Load it into FusedAdamW(exp_avg_dtype='fp8', exp_avg_sq_dtype='fp8'), "
+            "or go through hfsdp's checkpoints (hfsdp.ckpt.load_checkpoint), which dequantize the moments for any "
+            "optimizer."
+        )
 
 
 def _signature(optimizer) -> tuple[int, ...]:
