@@ -139,8 +139,9 @@ def _refusals(world) -> dict[str, str]:
 
 
 def _checkpoint_across(rank, world, path: str) -> dict:
-    """An fp8-gather run (HFSDP 3x2) saved by DCP, loaded into a bf16 model with no fp8 at all (HSDP 2x3) and back
-    into an fp8 one; the full state dicts after each load equal the saved one."""
+    """An fp8-gather run (HFSDP 3x2: its outer post-step gather moves fp8) saved by DCP and by hfsdp's checkpoints,
+    each loaded into a bf16 model with no fp8 at all (HSDP 2x3) and back into an fp8 one; the full state dicts after
+    each load equal the saved one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -155,16 +156,24 @@ def _checkpoint_across(rank, world, path: str) -> dict:
     opt = torch.optim.AdamW(source.parameters(), lr=1e-2)
     source(*fp8_batch(0, rank, world)).backward()
     opt.step()
+    from hfsdp.ckpt import load_checkpoint, save_checkpoint
+
     dcp.save(get_model_state_dict(source), checkpoint_id=path)
+    save_checkpoint(f"{path}-hfsdp", source, opt, step=1)
     saved = source.state_dict()
     out = {}
-    for name, target in (("bf16", _shard(make_fp8_toy(seed=2), "HSDP 2x3", world)), ("fp8", fp8_model("HSDP 2x3"))):
-        state = get_model_state_dict(target)
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(target, state)
-        loaded = target.state_dict()
-        out[name] = rank != 0 or all(torch.equal(saved[k], loaded[k]) for k in saved)
-        out[name + " loss"] = target(*fp8_batch(1, rank, world)).item()
+    for how in ("dcp", "hfsdp"):
+        for name, target in (("bf16", _shard(make_fp8_toy(seed=2), "HSDP 2x3", world)), ("fp8", fp8_model("HSDP 2x3"))):
+            if how == "dcp":
+                state = get_model_state_dict(target)
+                dcp.load(state, checkpoint_id=path)
+                set_model_state_dict(target, state)
+            else:
+                load_checkpoint(f"{path}-hfsdp", target, torch.optim.AdamW(target.parameters(), lr=1e-2))
+            loaded = target.state_dict()
+            key = name if how == "dcp" else f"{name} ({how})"
+            out[key] = rank != 0 or all(torch.equal(saved[k], loaded[k]) for k in saved)
+            out[key + " loss"] = target(*fp8_batch(1, rank, world)).item()
     return out
 
 
@@ -223,6 +232,6 @@ def test_fully_shard_refuses_fp8_gather_it_cannot_do(results):
 def test_an_fp8_gather_checkpoint_loads_into_a_bf16_run_and_back(results):
     for rank_results in results:
         found = rank_results["checkpoint"]
-        assert found["bf16"] and found["fp8"]
+        assert found["bf16"] and found["fp8"] and found["bf16 (hfsdp)"] and found["fp8 (hfsdp)"]
     bf16, fp8 = results[0]["checkpoint"]["bf16 loss"], results[0]["checkpoint"]["fp8 loss"]
     assert abs(bf16 - fp8) < 0.05 * abs(bf16)  # the same weights; fp8 matmuls differ from bf16 ones by their rounding

@@ -188,12 +188,11 @@ def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -
     for group in model.groups:
         if group.frozen:  # checkpointed whole, with the buffers (`unsharded_state`)
             continue
-        shard = group.compute_shard()
+        shard = group.compute_optim_piece()
         for piece in group.main_params:
             if not piece.holds:
                 continue
-            start = group.optim_range[0] + piece.offset - group.param_range[0]
-            out[MODEL, piece.name] = shard[start : start + piece.param.numel()]
+            out[MODEL, piece.name] = shard[piece.offset : piece.offset + piece.param.numel()]
             out[MAIN, piece.name] = piece.param.detach().view(-1)
             state = optim_state.param_state(optimizer, piece.param) if optimizer is not None else {}
             for key, value in state.items():

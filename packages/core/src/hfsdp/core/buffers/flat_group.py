@@ -487,10 +487,18 @@ class FlatParamGroup:
         """The tensor `compute_weights_out` returned holds this step's new weights (consumed by the next publish)."""
         self._compute_weights_written = True
 
+    def compute_optim_piece(self) -> torch.Tensor:
+        """This rank's optimizer piece in the compute dtype (what a checkpoint's "model" copy holds); never a
+        collective."""
+        self.wait_for_publish()
+        if self.param_shard is not None:
+            return self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
+        return self.main.to(self.compute_dtype)
+
     def compute_shard(self) -> torch.Tensor:
         """This rank's parameter piece in the compute dtype (a fresh cast of `main` where none is kept). Collective
         for an fp8 group whose post-step gather moved fp8 (`fp8_outer`): the compute-dtype piece is gathered then,
-        by every rank (its readers, state views and checkpoint saves, run on every rank in group order)."""
+        by every rank (its one reader, `Sharding.sharded_buffers`, runs on every rank in group order)."""
         self.wait_for_publish()
         if self._param_shard_stale:
             piece = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
