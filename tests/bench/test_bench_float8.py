@@ -198,18 +198,22 @@ def test_the_scales_are_precomputed_only_where_weights_are_gathered_in_fp8():
     assert _float8.precompute_scales(fake, "rowwise", True) is None
 
 
-def test_compile_raises_the_recompile_limit(monkeypatch):
+def test_compile_raises_the_recompile_limit():
+    """Raised to at least RECOMPILE_LIMIT under every name this torch has, never lowered; inside dynamo's own
+    `config.patch`, which puts the values back (setting them otherwise would leak into every later compile of the
+    session: monkeypatch's undo left torch 2.13's aliased `recompile_limit` unreadable)."""
     import torch._dynamo
 
     config = torch._dynamo.config
     names = [n for n in ("cache_size_limit", "recompile_limit") if hasattr(config, n)]
-    for name in names:
-        monkeypatch.setattr(config, name, 8)
-    now = _step_model.raise_recompile_limit()
-    assert set(now) == set(names) and all(v == _step_model.RECOMPILE_LIMIT for v in now.values())
-    for name in names:
-        monkeypatch.setattr(config, name, 1000)
-    assert all(v == 1000 for v in _step_model.raise_recompile_limit().values())  # never lowered
+    key = "recompile_limit" if "recompile_limit" in names else "cache_size_limit"
+    before = getattr(config, key)
+    with config.patch({key: 8}):
+        now = _step_model.raise_recompile_limit()
+        assert set(now) == set(names) and all(v == _step_model.RECOMPILE_LIMIT for v in now.values())
+    with config.patch({key: 1000}):
+        assert all(v == 1000 for v in _step_model.raise_recompile_limit().values())  # never lowered
+    assert getattr(config, key) == before  # put back for every later compile in this session
 
 
 def test_the_compile_flag_says_it_raises_the_limit(capsys):
