@@ -23,7 +23,7 @@ MAX_MODULES = 20
 RANK = {"hfsdp.core": 0, "hfsdp.models": 1, "hfsdp.recipes": 1, "hfsdp.planning": 1, "hfsdp.ckpt": 2, "hfsdp.cli": 3}
 #: Inside hfsdp.core and hfsdp.cli a subpackage may import only those before it (docs/design.md, "Subpackages").
 ORDER = {
-    "hfsdp.core": ("rules", "offload", "buffers", "outer", "engine", "kernels"),
+    "hfsdp.core": ("rules", "offload", "fp8", "buffers", "outer", "engine", "kernels"),
     "hfsdp.cli": ("settings", "checks", "rank", "launcher", "commands"),
 }
 #: The one import against ORDER: preflight asks whether TensorBoard is installed before a rank would write with it.

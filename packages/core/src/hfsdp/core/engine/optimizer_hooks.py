@@ -84,16 +84,17 @@ class OptimizerBinding:
             sharding.after_step(pieces)
 
 
+#: The state entries FusedAdamW adds beside an fp8 moment (its state-dict format: `kernels/fused_adamw.py`).
+MOMENT_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+
+
 def _check_no_fp8_scales(optimizer, pieces: list[MainParam]) -> None:
     """Refuse an optimizer other than FusedAdamW holding FusedAdamW's fp8 scale entries: its state dict was loaded
     into it directly, and torch's load cast each fp8 moment to fp32 without its scale, so every moment is off by its
     block's scale (hfsdp's checkpoints dequantize instead)."""
-    from hfsdp.core.kernels.fused_adamw import SCALE_KEYS, FusedAdamW
-
-    if isinstance(optimizer, FusedAdamW):
+    if getattr(optimizer, "loads_scaled_state", False):  # FusedAdamW, whose state format these keys are
         return
-    scales = set(SCALE_KEYS.values())
-    held = next((key for p in pieces for key in optimizer.state.get(p.param, {}) if key in scales), None)
+    held = next((key for p in pieces for key in optimizer.state.get(p.param, {}) if key in MOMENT_SCALE_KEYS), None)
     if held is not None:
         raise ValueError(
             f"{type(optimizer).__name__} holds '{held}', the per-element scale of an fp8 moment of hfsdp's FusedAdamW: "
