@@ -373,8 +373,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--fp8-min-size",
         FP8_MIN_SIZE,
         float,
-        "Convert only the Linear layers with in*out/(in+out) of at least this (smaller ones are slower in fp8 than "
-        "bf16, measured on an H200; 2048 is a 4096x4096 projection); 0: every layer whose dims are multiples of 16.",
+        "Convert only Linear layers with in*out/(in+out) at least this (smaller: slower in fp8); 0: all.",
         _fp8_min_size,
         key="model.fp8_min_size",
         panel="FP8",
