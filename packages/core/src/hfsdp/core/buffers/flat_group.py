@@ -291,8 +291,6 @@ class FlatParamGroup:
             self.streams.wait("compute", self._gather_event)
             self._gather_event = None
             self.state = ParamState.UNSHARDED
-            if self.fp8 is not None:
-                self.fp8.reading = None  # the staged weights the gather stream quantized: free once compute waited
 
     def reshard(self) -> None:
         """Free the unsharded parameters (only where they are sharded), after any gather into them."""

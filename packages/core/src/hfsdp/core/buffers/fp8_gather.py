@@ -61,28 +61,27 @@ class Fp8Weights:
         piece; HFSDP's post-step path passes the optimizer piece inside it), into its place in `shard`. Collective:
         the amaxes are max-reduced over `axes`, the axes that shard `covers` (default: those of the parameters)."""
         covers = covers or self.flat.param_range
-        axes = self.sharded_axes if axes is None else axes
-        base = covers[0] - self.flat.param_range[0]
-        segments = _segments(self.flat, covers)
         amax = torch.zeros(len(self.flat.slots), dtype=torch.float32, device=self.shard.device)
-        for i, start, stop in segments:
+        for i, start, stop in _segments(self.flat, covers):
             amax[i] = source[start:stop].abs().amax().float()
-        for k in axes:
+        for k in self.sharded_axes if axes is None else axes:
             self.comms.all_reduce(k, amax, op=dist.ReduceOp.MAX)
-        self.scales.copy_(scaling.amax_to_scale(amax, FP8_WEIGHT_DTYPE))
-        for i, start, stop in segments:
-            quantized = scaling.quantize(source[start:stop], self.scales[i], FP8_WEIGHT_DTYPE)
-            self.shard[base + start : base + stop] = quantized
+        self._quantize(source, covers, amax)
 
     def start_from(self, full: torch.Tensor) -> None:
         """Quantize this rank's piece from `full`, the whole padded group in the compute dtype, which every rank
         holds when the group is built: each weight's amax is taken whole, so no collective is needed."""
         amax = torch.stack([full[s.offset : s.stop].abs().amax().float() for s in self.flat.slots])
+        lo, hi = self.flat.param_range
+        self._quantize(full[lo:hi], self.flat.param_range, amax)
+
+    def _quantize(self, source: torch.Tensor, covers: tuple[int, int], amax: torch.Tensor) -> None:
+        """Every weight's scale from its whole amax, and `source` (the values of `covers`) quantized into `shard`."""
         self.scales.copy_(scaling.amax_to_scale(amax, FP8_WEIGHT_DTYPE))
-        lo = self.flat.param_range[0]
-        for i, start, stop in _segments(self.flat, self.flat.param_range):
-            piece = full[lo + start : lo + stop]
-            self.shard[start:stop] = scaling.quantize(piece, self.scales[i], FP8_WEIGHT_DTYPE)
+        base = covers[0] - self.flat.param_range[0]
+        for i, start, stop in _segments(self.flat, covers):
+            quantized = scaling.quantize(source[start:stop], self.scales[i], FP8_WEIGHT_DTYPE)
+            self.shard[base + start : base + stop] = quantized
 
     def state_bytes(self) -> int:
         return self.shard.numel()

@@ -18,12 +18,14 @@ from hfsdp.core.fp8.linear import Float8Linear
 def fp8_gathered_weights(module: nn.Module, units: Iterable[nn.Module], locations: dict[int, list]) -> set[int]:
     """The ids of the weights to gather in fp8 (`locations`: where each parameter is held, by id)."""
     layers = [m for unit in units for m in unit.modules() if isinstance(m, Float8Linear)]
-    rowwise = sorted({n for n, m in module.named_modules() if isinstance(m, Float8Linear)} - _tensorwise(module))
+    converted = {n: m for n, m in module.named_modules() if isinstance(m, Float8Linear)}
+    rowwise = sorted(n for n, m in converted.items() if not m.fp8_config.gathers_in_fp8)
     if rowwise:
         raise ValueError(
             f"fully_shard(fp8_param_gather=True) needs the tensorwise fp8 recipe, but {rowwise[0]} (and "
-            f"{len(rowwise) - 1} more) use '{_recipe_of(module, rowwise[0])}': a weight gathered in fp8 has one scale, "
-            "the max over its pieces; convert with Float8Config(recipe='tensorwise') or leave fp8_param_gather off."
+            f"{len(rowwise) - 1} more) use '{converted[rowwise[0]].fp8_config.recipe}': a weight gathered in fp8 has "
+            "one scale, the max over its pieces; convert with Float8Config(recipe='tensorwise') or leave "
+            "fp8_param_gather off."
         )
     chosen = {id(m.weight) for m in layers if len(locations.get(id(m.weight), ())) == 1}
     if not chosen:
@@ -33,11 +35,3 @@ def fp8_gathered_weights(module: nn.Module, units: Iterable[nn.Module], location
             "units=units), before fully_shard."
         )
     return chosen
-
-
-def _tensorwise(module: nn.Module) -> set[str]:
-    return {n for n, m in module.named_modules() if isinstance(m, Float8Linear) and m.fp8_config.recipe == "tensorwise"}
-
-
-def _recipe_of(module: nn.Module, name: str) -> str:
-    return module.get_submodule(name).fp8_config.recipe
