@@ -51,7 +51,7 @@ def _count(rank, world):
     from hfsdp.core import Float8Config, FusedAdamW, MixedPrecision, build_meshes, convert_to_float8, fully_shard
     from hfsdp.core.buffers.collectives import record_comms
 
-    from tests.support.fp8_models import fp8_batch, make_fp8_toy
+    from tests.support.fp8_models import make_fp8_toy, run_microbatches
 
     out = {}
     for case in CASES:
@@ -69,9 +69,7 @@ def _count(rank, world):
         steps = []
         for step in range(STEPS):
             with record_comms() as log:
-                for index in range(MICROBATCHES):
-                    sharded.set_microbatch(index, MICROBATCHES)
-                    sharded(*fp8_batch(step, rank, world, index, MICROBATCHES)).backward()
+                run_microbatches(sharded, step, rank, world, MICROBATCHES)
                 opt.step()
             opt.zero_grad()
             steps.append(

@@ -52,3 +52,15 @@ def fp8_batch(step: int, rank: int, world: int, index: int = 0, count: int = 1):
     size = BATCH // (count * world)
     chunk = index * world + rank
     return x[chunk * size : (chunk + 1) * size], y[chunk * size : (chunk + 1) * size]
+
+
+def run_microbatches(model, step: int, rank: int, world: int, count: int) -> list[float]:
+    """Forward and backward of this rank's `count` microbatches of step `step` on a sharded model (hfsdp scales by
+    `set_microbatch`); their losses."""
+    losses = []
+    for index in range(count):
+        model.set_microbatch(index, count)
+        loss = model(*fp8_batch(step, rank, world, index, count))
+        loss.backward()
+        losses.append(loss.item())
+    return losses

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.fp8_models import fp8_batch, make_fp8_toy
+from tests.support.fp8_models import fp8_batch, make_fp8_toy, run_microbatches
 
 WORLD, MICROBATCHES = 4, 2
 #: name -> (outer, inner, instances) on 4 ranks
@@ -59,11 +59,7 @@ def _train(model, rank, world, steps: int) -> dict:
     losses = []
     for step in range(steps):
         with record_comms() as log:
-            for index in range(MICROBATCHES):
-                model.set_microbatch(index, MICROBATCHES)
-                loss = model(*fp8_batch(step, rank, world, index, MICROBATCHES))
-                loss.backward()
-                losses.append(loss.item())
+            losses += run_microbatches(model, step, rank, world, MICROBATCHES)
         opt.step()
         opt.zero_grad()
     gathers = sorted({r.element_size for r in log.records if r.op == "all_gather"})

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.fp8_models import fp8_batch, make_fp8_toy
+from tests.support.fp8_models import fp8_batch, make_fp8_toy, run_microbatches
 
 #: name -> (outer, inner, instances) on 6 ranks
 LAYOUTS = {
@@ -73,11 +73,7 @@ def _train(rank, world, case, gather: bool):
     losses = []
     for step in range(STEPS):
         with record_comms() as log:
-            for index in range(MICROBATCHES):
-                model.set_microbatch(index, MICROBATCHES)
-                loss = model(*fp8_batch(step, rank, world, index, MICROBATCHES))
-                loss.backward()
-                losses.append(loss.item())
+            losses += run_microbatches(model, step, rank, world, MICROBATCHES)
         with record_comms() as step_log:
             opt.step()
         opt.zero_grad()
