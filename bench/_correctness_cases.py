@@ -15,6 +15,7 @@ themselves on rank 0 (on the device with one rank), for the worker to compare ac
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import time
@@ -30,9 +31,12 @@ STYLES = ("eager", "module", "fullgraph", "wrapper", "forward", "cli", "model")
 #: (FusedAdamW clipping inside its step and writing the next forward's gather input), "fused_clip_prestage_overlap"
 #: (and its step on a side stream, overlapping the next forward), "recompute"; and Megatron's precision-aware
 #: optimizer through FusedAdamW: `_bf16m` / `_fp8m` moments, `_bf16g` gradients reduced and read in bf16 (its
-#: reference steps the same FusedAdamW on gradients rounded to bf16); and fp8 compute (issue 39): `fp8t` the units'
-#: Linear layers in fp8, hybrid tensorwise, gathered in fp8 (`fp8_param_gather`: on one GPU there is no gather, so
-#: it is the layers' own quantization), `fp8r` e4m3 rowwise; their reference converts the same layers.
+#: reference steps the same FusedAdamW on gradients rounded to bf16); fp8 compute (issue 39): `fp8t` the units'
+#: Linear layers in fp8, hybrid tensorwise, gathered in fp8 (`fp8_param_gather`), `fp8r` e4m3 rowwise, and
+#: `fp8t_<optimizer option>` fp8t with that optimizer; their reference converts the same layers. "comms" and every
+#: fp8t case build the engine under `single_rank_collectives()`: on one GPU (where no axis has a second rank) the
+#: gathers and reductions a larger mesh runs are then issued as copies, on the same streams at the same points, so
+#: their stream ordering is checked there too (above all the fp8 gather: quantize after the step, then gather).
 OPTIONS = (
     "",
     "offload",
@@ -44,18 +48,37 @@ OPTIONS = (
     "fused_clip_prestage_fp8m_bf16g",
     "fp8t",
     "fp8r",
+    "fp8t_fused_clip_prestage_overlap",
+    "comms",
 )
 FP8_OPTIONS = {"fp8t": ("hybrid", "tensorwise"), "fp8r": ("e4m3", "rowwise")}
+
+
+def fp8_of(option: str) -> str:
+    """The fp8 recipe an option names ("fp8t", "fp8r"; "" for none)."""
+    head = option.split("_", 1)[0]
+    return head if head in FP8_OPTIONS else ""
+
+
+def optimizer_of(option: str) -> str:
+    """An option without its fp8 recipe: what it says of the optimizer (or offload, recompute, comms)."""
+    fp8 = fp8_of(option)
+    return option.removeprefix(fp8).removeprefix("_") if fp8 else option
+
+
+def plans_single_rank_collectives(option: str) -> bool:
+    """Whether hfsdp is built under `single_rank_collectives()` (see OPTIONS)."""
+    return option == "comms" or fp8_of(option) == "fp8t"
 
 
 def convert_fp8(model, option: str):
     """Convert the decoder layers' Linear layers to fp8 as `option` says (nothing for other options); before any
     compile. Returns whether the weights may be gathered in fp8."""
-    if option not in FP8_OPTIONS:
+    if not fp8_of(option):
         return False
     from hfsdp.core import Float8Config, convert_to_float8
 
-    fmt, recipe = FP8_OPTIONS[option]
+    fmt, recipe = FP8_OPTIONS[fp8_of(option)]
     convert_to_float8(model, Float8Config(fmt, recipe), units=list(model.model.layers), min_size=0)
     return recipe == "tensorwise"
 
@@ -111,7 +134,7 @@ class Case:
         """Whether the case runs its witness's arithmetic op for op (it may differ only in the order of a few
         sums), or rounds otherwise by design: offload steps AdamW on the CPU, FusedAdamW is its own kernel, and a
         hybrid layout sums the gradients over two axes, in another order than FSDP2's HSDP."""
-        return self.option != "offload" and not self.option.startswith("fused") and not self.layout
+        return self.option != "offload" and not optimizer_of(self.option).startswith("fused") and not self.layout
 
     @property
     def witnesses(self) -> list[str]:
@@ -126,9 +149,9 @@ class Case:
     def reference_name(self) -> str:
         """The reference case this one must agree with: the same kernels (compiled ones round otherwise than eager
         ones) and the same optimizer kernel; offload and recompute change neither."""
-        fused = "fused" + precision_of(self.option) if self.option.startswith("fused") else ""
-        fp8 = self.option if self.option in FP8_OPTIONS else ""
-        return Case("reference", self.kernels, fused or fp8).name
+        optimizer = optimizer_of(self.option)
+        fused = "fused" + precision_of(optimizer) if optimizer.startswith("fused") else ""
+        return Case("reference", self.kernels, "_".join(x for x in (fp8_of(self.option), fused) if x)).name
 
 
 def build_llama(shape: Shape, device: torch.device):
@@ -214,6 +237,7 @@ def _weights_digest(weights: dict[str, torch.Tensor]) -> str:
 
 
 def _adamw(params, shape: Shape, option: str, sanitizer: bool):
+    option = optimizer_of(option)
     if option.startswith("fused"):
         from hfsdp.core import FusedAdamW
 
@@ -335,18 +359,24 @@ class Hfsdp:
             recompute(model.model.layers)
         hybrid = {"hsdp": {"instances": 2}, "hfsdp": {"instances": 2, "outer": "optim"}}.get(case.layout, {})
         cfg = LayoutConfig(world_size=dist.get_world_size(), **hybrid)
-        self.model = fully_shard(
-            model,
-            cfg,
-            build_meshes(cfg, device.type),
-            units=model.model.layers,
-            mp=MixedPrecision(
-                param_dtype=torch.bfloat16,
-                reduce_dtype=torch.bfloat16 if case.option.endswith("_bf16g") else torch.float32,
-            ),
-            offload=case.option == "offload",
-            fp8_param_gather=fp8_gather,
-        )
+        planned = contextlib.nullcontext()
+        if plans_single_rank_collectives(case.option):  # imported here: a `--baseline` engine may predate it
+            from hfsdp.core.rules.comm_plan import single_rank_collectives
+
+            planned = single_rank_collectives()
+        with planned:
+            self.model = fully_shard(
+                model,
+                cfg,
+                build_meshes(cfg, device.type),
+                units=model.model.layers,
+                mp=MixedPrecision(
+                    param_dtype=torch.bfloat16,
+                    reduce_dtype=torch.bfloat16 if case.option.endswith("_bf16g") else torch.float32,
+                ),
+                offload=case.option == "offload",
+                fp8_param_gather=fp8_gather,
+            )
         if case.style == "model":
             self.model.compile()
         self.opt = _adamw(self.model.parameters(), shape, case.option, sanitizer)
@@ -358,7 +388,7 @@ class Hfsdp:
             loss = _loss(self.model, tokens, labels)
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        if self.shape.clip and not self.option.startswith("fused_clip_prestage"):
+        if self.shape.clip and not optimizer_of(self.option).startswith("fused_clip_prestage"):
             self.model.clip_grad_norm_(self.shape.clip)
         self.opt.step()
         self.opt.zero_grad()
@@ -384,12 +414,13 @@ def run_case(case: Case, shape: Shape, device, sanitizer: bool = False) -> dict:
     began = time.perf_counter()
     engine = ENGINES[case.engine](case, shape, device, sanitizer)
     losses = []
-    for microbatches in batches(shape, world, rank, device):
-        loss = engine.step(microbatches)
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
+    with _comm_log(case) as log:
+        for microbatches in batches(shape, world, rank, device):
+            loss = engine.step(microbatches)
+            if world > 1:
+                dist.all_reduce(loss)
+                loss /= world
+            losses.append(loss.item())
     weights = engine.weights()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -402,4 +433,20 @@ def run_case(case: Case, shape: Shape, device, sanitizer: bool = False) -> dict:
         "digest": _weights_digest(weights) if weights is not None else None,
         "weights": weights,
         "seconds": seconds,
+        # which collectives hfsdp issued, with their element sizes (an fp8 gather moves 1 byte per element)
+        "collectives": sorted({f"{r.op}:{r.element_size}" for r in log.records}) if log is not None else None,
     }
+
+
+@contextlib.contextmanager
+def _comm_log(case: Case):
+    """hfsdp's communication log around a case's steps (None for other engines, or an engine without one)."""
+    try:
+        from hfsdp.core.buffers.collectives import record_comms
+    except ImportError:
+        record_comms = None
+    if case.engine != "hfsdp" or record_comms is None:
+        yield None
+        return
+    with record_comms() as log:
+        yield log

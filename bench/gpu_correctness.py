@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _correctness_cases import FP8_OPTIONS, OPTIONS, STYLES, Case, Shape  # noqa: E402
+from _correctness_cases import OPTIONS, STYLES, Case, Shape, fp8_of  # noqa: E402
 
 #: (loss, weights) tolerances, relative, over every step; weights as ‖Δ‖/‖witness‖. Measured on one H200 (torch
 #: 2.11, docs/results/h200-2026-12-02-correctness-3): the reference's own arithmetic (eager, each compile style,
@@ -77,12 +77,13 @@ SRC = [os.path.join(ROOT, "packages", p, "src") for p in ("core", "ckpt", "cli")
 
 
 def hfsdp_cases(styles, options) -> list[Case]:
-    """Every compile style without options, every option eagerly, and recompute under `module.compile()`."""
+    """Every compile style without options, every option eagerly, recompute under `module.compile()`, and each fp8
+    recipe in every compile style (a quantized layer is a new graph for each)."""
     cases = [Case("hfsdp", s) for s in styles]
     cases += [Case("hfsdp", "eager", o) for o in options]
     if "module" in styles and "recompute" in options:
         cases.append(Case("hfsdp", "module", "recompute"))
-    cases += [Case("hfsdp", "module", o) for o in ("fp8t", "fp8r") if "module" in styles and o in options]
+    cases += [Case("hfsdp", s, o) for o in ("fp8t", "fp8r") if o in options for s in styles if s != "eager"]
     return cases
 
 
@@ -284,10 +285,10 @@ def judge(records: dict, passes: dict) -> list[dict]:
                 add("deterministic across processes", case.name, same, _difference(first, second))
         if case.engine == "hfsdp" and first and not first.get("error"):
             loss_rtol, weight_rtol = EXACT_RTOL if case.exact else ROUNDING_RTOL
-            if case.option in FP8_OPTIONS and case.kernels != "eager":
+            if fp8_of(case.option) and case.kernels != "eager":
                 loss_rtol, weight_rtol = FP8_COMPILED_RTOL
             witnesses = [w for w in case.witnesses if main.get((w, 0))]
-            if not witnesses and case.option and case.option not in FP8_OPTIONS:
+            if not witnesses and case.option and not fp8_of(case.option):
                 # no reference (several ranks): the same run without the option (fp8 is not close to bf16 by design)
                 witnesses = [Case("hfsdp", case.style, layout=case.layout).name]
                 loss_rtol, weight_rtol = ROUNDING_RTOL

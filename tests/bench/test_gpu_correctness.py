@@ -75,3 +75,28 @@ def test_the_judge_fails_what_is_not_deterministic_or_starts_elsewhere():
     failed = {(v["check"], v["case"]) for v in _verdicts(wrong, argv) if not v["ok"]}
     assert ("agrees with reference/module", "hfsdp/module") in failed
     assert ("deterministic across processes", "hfsdp/module") in failed
+
+
+def test_one_rank_runs_the_fp8_gather_and_the_collectives_a_larger_mesh_would(tmp_path):
+    """One gloo rank, the options that build hfsdp under `single_rank_collectives()`: plain bf16 ("comms"), fp8
+    tensorwise gathered in fp8 and the same with FusedAdamW's prestaged, overlapped step. Each passes against the
+    reference of its arithmetic and issued the gathers and reduce-scatters (the fp8 weights in one byte)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(gpu_correctness.SRC))
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_correctness.py"), str(tmp_path), "--device", "cpu", "--small"]
+    cmd += ["--steps", "2", "--styles", "eager", "--options", "comms,fp8t,fp8t_fused_clip_prestage_overlap"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    verdicts = json.loads((tmp_path / "results.json").read_text())["verdicts"]
+    passed = {(v["check"], v["case"]) for v in verdicts if v["ok"]}
+    assert ("agrees with reference/eager", "hfsdp/eager/comms") in passed
+    assert ("agrees with reference/eager/fp8t", "hfsdp/eager/fp8t") in passed
+    fused = "hfsdp/eager/fp8t_fused_clip_prestage_overlap"
+    assert ("agrees with reference/eager/fp8t_fused", fused) in passed
+    assert ("deterministic across processes", fused) in passed
+    with tarfile.open(tmp_path / "logs.tgz") as tar:
+        main = json.load(tar.extractfile("main.json"))
+    issued = {r["case"]: set(r["collectives"] or ()) for r in main["results"] if r["case"].startswith("hfsdp")}
+    assert issued["hfsdp/eager"] == set()  # one rank plans no collective of its own
+    assert {"all_gather:2", "reduce_scatter:4"} <= issued["hfsdp/eager/comms"]
+    for case in ("hfsdp/eager/fp8t", fused):
+        assert {"all_gather:1", "all_gather:2"} <= issued[case]

@@ -22,6 +22,8 @@ collective plan in a fraction of a second.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from hfsdp.core.rules.layout import MeshLayout
@@ -37,11 +39,31 @@ class CommPlan:
     outer_sync: tuple[int, ...] = ()  # axes that train apart and meet in the outer step
 
 
+_plan_single_rank_axes = False
+
+
+@contextmanager
+def single_rank_collectives() -> Iterator[None]:
+    """Plan the collectives of axes of size 1 too, for the layouts built inside (`fully_shard` under it).
+
+    Each such collective is a copy (`collectives.py`), issued on the stream, at the point and with the buffers a
+    larger mesh would use. It is never faster; it exists so that one GPU can check the stream ordering of what
+    only a larger mesh otherwise runs: gathers into the unsharded buffers, fp8 quantization before its gather,
+    reduce-scatters on the reduce stream (`bench/gpu_correctness.py`). Not thread-safe; not for training."""
+    global _plan_single_rank_axes
+    previous, _plan_single_rank_axes = _plan_single_rank_axes, True
+    try:
+        yield
+    finally:
+        _plan_single_rank_axes = previous
+
+
 def plan_for(layout: MeshLayout) -> CommPlan:
-    """The collectives of `layout`; axes of size 1 need none and are left out (one GPU runs no copies)."""
+    """The collectives of `layout`; axes of size 1 need none and are left out (one GPU runs no copies), unless
+    planned under `single_rank_collectives()`."""
     param, grad, optim = (layout.placement_names(state) for state in (State.PARAM, State.GRAD, State.OPTIM))
     inner = len(layout.axes) - 1
-    busy = [k for k in range(len(layout.axes)) if layout.axes[k].size > 1]
+    busy = [k for k in range(len(layout.axes)) if layout.axes[k].size > 1 or _plan_single_rank_axes]
     param_sharded = tuple(k for k in layout.sharded_axes(State.PARAM) if k in busy)
     microbatch = (inner,) if is_shard_name(grad[inner]) and inner in busy else ()
     apart = layout.independent_axes()
