@@ -229,7 +229,10 @@ def restore(optimizer, model, record: dict[str, Any], tensors: dict[tuple[str, s
     for group, saved in zip(optimizer.param_groups, record["param_groups"], strict=True):
         for key, value in saved["hyper"].items():
             if key in group and _is_numeric(value):
-                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+                if isinstance(group[key], torch.Tensor) and group[key].dim() == 0 and not isinstance(value, list):
+                    group[key].fill_(value)  # a tensor lr (capturable) stays the tensor a captured graph reads
+                else:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
     pieces = {id(p.param): p for p in model.main_params}
     dtypes = {kind: tensor.dtype for (kind, _), tensor in tensors.items()}
     state: dict[int, dict[str, Any]] = {}

@@ -88,6 +88,52 @@ class AdamWScalars:
         )
 
 
+#: The order of `AdamWScalars`' fields in the fp32 tensor `device_scalars` makes (one row of 8 per run).
+SCALAR_FIELDS = (
+    "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "inv_bc2_sqrt", "eps",
+)  # fmt: skip
+
+
+def scalar_constants(options: list[tuple[float, float, float, float, float]], device) -> torch.Tensor:
+    """The step-independent inputs of `device_scalars`, one row per run from (lr, beta1, beta2, eps,
+    weight_decay) as host floats (lr: any number where the run's lr is a tensor): float64 (lr, beta1, 1 - beta1,
+    beta2, 1 - beta2, eps, weight_decay), the differences taken on the host in double as `AdamWScalars.of` takes
+    them. Made before a CUDA graph is captured (a copy from the host), then reused."""
+    rows = [(lr, b1, 1.0 - b1, b2, 1.0 - b2, eps, wd) for lr, b1, b2, eps, wd in options]
+    return torch.tensor(rows, dtype=torch.float64, device=device).reshape(len(rows), 7)
+
+
+def device_scalars(steps: list[torch.Tensor], lrs: list, constants: torch.Tensor) -> torch.Tensor:
+    """`AdamWScalars.of` computed on the device, for a run per step tensor: `steps` are the runs' step counts
+    before this step (0-dim tensors on the device), `lrs` each run's lr (None: the float in `constants`, else a
+    0-dim tensor on the device, read when the computation runs), `constants` from `scalar_constants`. The same
+    double operations as the host's, each rounded once (IEEE: +, -, *, / and sqrt agree everywhere; `pow` is the
+    device's, which may differ from the host's libm in the last bit of a double, far below fp32's precision),
+    then rounded to fp32 as the host's floats are when a kernel takes them. Returns a (runs, 8) fp32 tensor in
+    `SCALAR_FIELDS` order; nothing is read on the host, so it can run in a captured CUDA graph."""
+    t = torch.stack([s.reshape(()) for s in steps]).to(torch.float64) + 1.0
+    c = constants
+    if any(lr is not None for lr in lrs):
+        lr = torch.stack([c[i, 0] if x is None else x.reshape(()).to(torch.float64) for i, x in enumerate(lrs)])
+    else:
+        lr = c[:, 0]
+    bc1 = 1.0 - torch.pow(c[:, 1], t)
+    bc2 = 1.0 - torch.pow(c[:, 3], t)
+    decay = 1.0 - lr * c[:, 6]
+    step_size = lr / bc1
+    inv_bc2_sqrt = torch.reciprocal(torch.sqrt(bc2))
+    columns = (decay, c[:, 1], c[:, 2], c[:, 3], c[:, 4], step_size, inv_bc2_sqrt, c[:, 5])
+    return torch.stack(columns, dim=1).to(torch.float32)
+
+
+class _TensorScalars:
+    """`AdamWScalars`' fields as 0-dim fp32 tensors, views into one row of `device_scalars` (the torch path)."""
+
+    def __init__(self, row: torch.Tensor):
+        for i, name in enumerate(SCALAR_FIELDS):
+            setattr(self, name, row[i])
+
+
 def triton_usable(tensor: torch.Tensor) -> bool:
     """Whether the Triton kernel can step `tensor`: CUDA with Triton present, or CPU under Triton's interpreter."""
     if triton is None:
@@ -151,7 +197,7 @@ def adamw_run(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    scalars: AdamWScalars,
+    scalars: AdamWScalars | torch.Tensor,
     coef: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
@@ -163,8 +209,13 @@ def adamw_run(
     `exp_avg_sq` (each fp32, bf16, fp16 or fp8, same length, stored back in their dtype), the gradient first
     multiplied by the one-element fp32 tensor `coef`; `out` (bf16 or fp16, same length) receives the new weights.
     An fp8 moment needs its fp32 `scales` entry (one power of two per block of `blocks`; by default the run is one
-    piece). Returns the backend used ("triton" or "torch")."""
+    piece). `scalars` may be a row of `device_scalars` (8 fp32 values on the parameter's device): the kernel then reads
+    them there, and nothing is read on the host (capturable). Returns the backend used ("triton" or "torch")."""
     n = param.numel()
+    if isinstance(scalars, torch.Tensor) and (
+        scalars.dtype != torch.float32 or scalars.shape != (8,) or scalars.device != param.device
+    ):
+        raise ValueError(f"adamw_run: tensor scalars must be 8 fp32 values on {param.device} (a device_scalars row)")
     if param.dtype != torch.float32 or not param.is_contiguous():
         raise ValueError("adamw_run: the parameter run must be a contiguous fp32 tensor")
     checks = (("grad", grad, GRAD_DTYPES), ("exp_avg", exp_avg, KINDS), ("exp_avg_sq", exp_avg_sq, KINDS))
@@ -202,6 +253,8 @@ def _torch_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, sca
     """The reference implementation: one IEEE-rounded fp32 operation at a time, in the kernel's order. The moments
     are loaded into fp32 (exactly: an upcast, times a power of two for fp8), updated in fp32, used in fp32 for the
     update, and rounded to their dtype once, when stored (round to nearest even)."""
+    if isinstance(s, torch.Tensor):
+        s = _TensorScalars(s)
     g = grad if grad.dtype == torch.float32 else grad.float()
     if coef is not None:
         g = g * coef
@@ -278,13 +331,19 @@ def _triton_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, sc
     out_arg = out.view(torch.int16) if bf16 else (out if out is not None else param)
     coef_arg = coef if coef is not None else param
     m_kind, v_kind = KINDS[exp_avg.dtype], KINDS[exp_avg_sq.dtype]
-    scalars = (s.decay, s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.step_size, s.inv_bc2_sqrt, s.eps)
+    on_device = isinstance(s, torch.Tensor)
+    if on_device:  # read from the tensor by the kernel; the float arguments are placeholders
+        scalars, s_arg = (0.0,) * 8, s
+    else:
+        scalars = (s.decay, s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.step_size, s.inv_bc2_sqrt, s.eps)
+        s_arg = param  # a placeholder pointer
     flags = {"HAS_COEF": coef is not None, "HAS_OUT": out is not None, "OUT_BF16": bf16, "M_KIND": m_kind}
+    flags["DEVICE_SCALARS"] = on_device
     flags.update(V_KIND=v_kind, num_warps=NUM_WARPS, enable_fp_fusion=False)  # one rounding per operation
     m_arg, v_arg = _kernel_view(exp_avg), _kernel_view(exp_avg_sq)
     if m_kind < 3 and v_kind < 3:
         grid = (triton.cdiv(n, BLOCK),)
-        _adamw_kernel[grid](param, grad, m_arg, v_arg, out_arg, coef_arg, n, *scalars, BLOCK=BLOCK, **flags)
+        _adamw_kernel[grid](param, grad, m_arg, v_arg, out_arg, coef_arg, s_arg, n, *scalars, BLOCK=BLOCK, **flags)
         return
     m_scale = scales[0] if scales[0] is not None else param  # a placeholder pointer where the moment has no scale
     v_scale = scales[1] if scales[1] is not None else param
@@ -299,6 +358,7 @@ def _triton_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, sc
             v_arg,
             out_arg,
             coef_arg,
+            s_arg,
             m_scale,
             v_scale,
             table.starts,
@@ -372,6 +432,14 @@ if triton is not None:
         return p, m, v
 
     @triton.jit
+    def _load_scalars(s_ptr):
+        """The 8 scalars of a `device_scalars` row, in `SCALAR_FIELDS` order."""
+        return (
+            tl.load(s_ptr + 0), tl.load(s_ptr + 1), tl.load(s_ptr + 2), tl.load(s_ptr + 3),
+            tl.load(s_ptr + 4), tl.load(s_ptr + 5), tl.load(s_ptr + 6), tl.load(s_ptr + 7),
+        )  # fmt: skip
+
+    @triton.jit
     def _store_out(out_ptr, offs, p, mask, OUT_BF16: tl.constexpr):
         if OUT_BF16:
             tl.store(out_ptr + offs, _bf16_bits(p), mask=mask)
@@ -386,6 +454,7 @@ if triton is not None:
         v_ptr,
         out_ptr,
         coef_ptr,
+        s_ptr,
         n,
         decay,
         beta1,
@@ -400,9 +469,13 @@ if triton is not None:
         OUT_BF16: tl.constexpr,
         M_KIND: tl.constexpr,
         V_KIND: tl.constexpr,
+        DEVICE_SCALARS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Moments in fp32, bf16 or fp16: BLOCK consecutive elements per program."""
+        """Moments in fp32, bf16 or fp16: BLOCK consecutive elements per program. DEVICE_SCALARS: the scalars are
+        read from `s_ptr` (a `device_scalars` row), not the float arguments."""
+        if DEVICE_SCALARS:
+            decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = _load_scalars(s_ptr)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask)
@@ -428,6 +501,7 @@ if triton is not None:
         v_ptr,
         out_ptr,
         coef_ptr,
+        s_ptr,
         ms_ptr,
         vs_ptr,
         starts_ptr,
@@ -447,6 +521,7 @@ if triton is not None:
         OUT_BF16: tl.constexpr,
         M_KIND: tl.constexpr,
         V_KIND: tl.constexpr,
+        DEVICE_SCALARS: tl.constexpr,
         M_MAX: tl.constexpr,
         M_TOP: tl.constexpr,
         V_MAX: tl.constexpr,
@@ -459,7 +534,9 @@ if triton is not None:
         """Some moment in fp8: a tile of ROWS scale blocks (one row each, SB elements at most) per program, so each
         block's amax is a row reduction in registers and its scale is computed and stored by this program. WHOLE:
         every block of the table has SB elements, so the mask is per row and the loads can be vectorised; ALIGNED:
-        every start is a multiple of 16 elements."""
+        every start is a multiple of 16 elements. DEVICE_SCALARS: as in `_adamw_kernel`."""
+        if DEVICE_SCALARS:
+            decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = _load_scalars(s_ptr)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < count
         starts = tl.load(starts_ptr + rows, mask=row_mask, other=0).to(tl.int64)

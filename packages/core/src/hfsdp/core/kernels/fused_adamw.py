@@ -103,7 +103,9 @@ from hfsdp.core.kernels.adamw_kernel import (
     AdamWScalars,
     ScaleBlocks,
     adamw_run,
+    device_scalars,
     is_fp8,
+    scalar_constants,
     store_moment,
     triton,
 )
@@ -122,7 +124,7 @@ class _Run:
     start: int  # offset in the group's optimizer range
     stop: int
     options: dict
-    step: int
+    step: int | None  # None: capturable, a count not known on the host (the run is one piece)
     states: list[dict] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # of its pieces, in order (their fp8 scale blocks)
@@ -184,8 +186,9 @@ class FusedAdamW(torch.optim.AdamW):
         backend: str = "auto",
         exp_avg_dtype: torch.dtype | str = torch.float32,
         exp_avg_sq_dtype: torch.dtype | str = torch.float32,
+        capturable: bool = False,
     ):
-        problems = _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage_gathers, backend)
+        problems = _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage_gathers, backend, capturable)
         dtypes = []
         for key, value in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
             try:
@@ -199,9 +202,29 @@ class FusedAdamW(torch.optim.AdamW):
                 "overlap_next_forward=True needs prestage_gathers=True (the step must write the next forward's "
                 "gather input, or the gather would cast weights the step has not written yet)"
             )
+        if capturable is True and prestage_gathers is True:
+            problems.append(
+                "capturable=True cannot be combined with prestage_gathers=True (or overlap_next_forward=True): that "
+                "step allocates the next forward's gather input and frees the gradient buffer, host bookkeeping "
+                "that a replayed CUDA graph would not redo"
+            )
         if problems:
             raise ValueError("FusedAdamW: " + "; ".join(problems) + ".")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            foreach=False,
+            fused=False,
+            **({"capturable": True} if capturable else {}),
+        )
+        self.capturable = capturable
+        if capturable:
+            _check_capturable_params(self.param_groups)
+        self._counts: dict[int, int] = {}  # capturable: id(param) -> its step count as the host knows it
+        self._constants: dict[tuple, torch.Tensor] = {}  # capturable: `scalar_constants` tensors, by their rows
         self.max_grad_norm, self.prestage_gathers, self.backend = max_grad_norm, prestage_gathers, backend
         self.overlap_next_forward = overlap_next_forward
         self._in_flight: list = []  # groups whose last step ran on the optim stream
@@ -230,20 +253,90 @@ class FusedAdamW(torch.optim.AdamW):
         by_group, loose, empty = self._members()
         coef = self._clip_coefficient(by_group, loose)
         stepped = [self._empty_state(piece)["step"] for piece in empty]
-        for group, members in by_group.values():
-            stepped.extend(self._step_group(group, members, coef))
-        for options, param in loose:
-            stepped.append(self._step_tensor(options, param, coef))
+        if self.capturable:
+            stepped.extend(self._step_on_device(by_group, loose, coef))
+        else:
+            for group, members in by_group.values():
+                stepped.extend(self._step_group(group, members, coef))
+            for options, param in loose:
+                stepped.append(self._step_tensor(options, param, coef))
         if stepped:
             torch._foreach_add_(stepped, 1.0)
         return loss
+
+    def _step_on_device(self, by_group, loose, coef) -> list[torch.Tensor]:
+        """`capturable`: every group's runs and every loose tensor, their scalars computed on the device from their
+        step tensors in one batch (`device_scalars`), then stepped as without it. Nothing is read on the host."""
+        planned = []
+        for group, members in by_group.values():
+            if group.offload:
+                raise ValueError(
+                    "FusedAdamW(capturable=True) cannot step a group offloaded to host memory (offload=...): its "
+                    "step runs on the CPU; use capturable=False with offload."
+                )
+            moments = self._flat_moments(group)
+            planned.append((group, members, _runs(members, self.state, moments, group.grads.main_grad, self)))
+        tensors = [(options, param, self._tensor_state(param)) for options, param in loose]
+        steps, lrs, rows = [], [], []
+        for _, _, runs in planned:
+            for run in runs:
+                steps.append(run.states[0]["step"])
+                _scalar_inputs(run.options, lrs, rows)
+        for options, _, state in tensors:
+            steps.append(state["step"])
+            _scalar_inputs(options, lrs, rows)
+        if not steps:
+            return []
+        device = steps[0].device
+        if any(s.device != device for s in steps):
+            raise ValueError(
+                "FusedAdamW(capturable=True) steps parameters on one device; these are on "
+                f"{sorted({str(s.device) for s in steps})}."
+            )
+        for lr in lrs:
+            if lr is not None and lr.device != device:
+                raise ValueError(
+                    f"FusedAdamW(capturable=True): a tensor lr must be on the parameters' device ({device}), this one "
+                    f"is on {lr.device}."
+                )
+        scalars = device_scalars(steps, lrs, self._scalar_constants(rows, device))
+        stepped, at = [], 0
+        for group, members, runs in planned:
+            stepped.extend(self._step_group(group, members, coef, (runs, scalars[at : at + len(runs)])))
+            at += len(runs)
+        for (options, param, _), row in zip(tensors, scalars[at:], strict=True):
+            stepped.append(self._step_tensor(options, param, coef, row))
+        return stepped
+
+    def _scalar_constants(self, rows: list[tuple], device) -> torch.Tensor:
+        key = (str(device), tuple(rows))
+        found = self._constants.get(key)
+        if found is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "FusedAdamW(capturable=True): lr, betas, eps or weight_decay changed since the last eager step, "
+                    "and the step is being captured into a CUDA graph; step once eagerly (the warm-up torch's docs "
+                    "ask for) with the values the graph should bake in, then capture."
+                )
+            if len(self._constants) > 64:
+                self._constants.clear()  # a float lr changed every step (a scheduler): keep the newest only
+            found = self._constants[key] = scalar_constants(list(rows), device)
+        return found
+
+    def _tensor_state(self, param: torch.Tensor) -> dict:
+        """A loose tensor's state with its step on its device (capturable)."""
+        state = self.state[param]
+        state["step"] = _device_step(state.get("step"), param.device)
+        return state
 
     def _empty_state(self, piece: MainParam) -> dict:
         """The state of a piece with no element on this rank: empty moments and a step that counts with the others',
         as torch's AdamW keeps (every rank then has the same state names and step counts, which DCP relies on:
         it writes a step count once, from any rank)."""
         entry = self.state[piece.param]
-        if not isinstance(entry.get("step"), torch.Tensor):
+        if self.capturable:
+            entry["step"] = _device_step(entry.get("step"), piece.param.device)
+        elif not isinstance(entry.get("step"), torch.Tensor):
             entry["step"] = torch.tensor(float(entry.get("step") or 0.0))
         for key, dtype in zip(MOMENTS, self.dtypes, strict=True):
             if entry.get(key) is None:
@@ -292,6 +385,15 @@ class FusedAdamW(torch.optim.AdamW):
         is dequantized exactly and requantized with this layout's blocks."""
         self.wait()
         state_dict = local_state_dict(self, state_dict)  # DCP's and torch's sharded tensors as this rank's pieces
+        # Steps go where this optimizer keeps them (torch's rule: on the parameter's device when capturable), whatever
+        # the saved groups say; a tensor lr stays the same tensor (a captured graph reads it), given the saved value.
+        lrs = [g["lr"] for g in self.param_groups]
+        old_steps = {id(p): e.get("step") for p, e in self.state.items()} if self.capturable else {}
+        saved_groups = [dict(g) for g in state_dict["param_groups"]]
+        for group in saved_groups:
+            if self.capturable or "capturable" in group:
+                group["capturable"] = self.capturable
+        state_dict = {**state_dict, "param_groups": saved_groups}
         held: dict = {}
         stripped = {}
         for index, entry in state_dict["state"].items():
@@ -305,6 +407,29 @@ class FusedAdamW(torch.optim.AdamW):
         for index, tensors in held.items():
             if tensors:
                 self._adopt_loaded(by_index[index], tensors)
+        if self.capturable:
+            self._after_capturable_load(lrs, old_steps)
+
+    def _after_capturable_load(self, lrs: list, old_steps: dict) -> None:
+        """Keep a tensor lr and each device step tensor the same tensors, holding the loaded values (a graph captured
+        before the load then reads them), and note each piece's step count on the host (runs join pieces of one
+        count)."""
+        for group, lr in zip(self.param_groups, lrs, strict=True):
+            if isinstance(lr, torch.Tensor) and group["lr"] is not lr:
+                lr.fill_(group["lr"].to(lr.device) if isinstance(group["lr"], torch.Tensor) else float(group["lr"]))
+                group["lr"] = lr
+        self._counts.clear()
+        for param, entry in self.state.items():
+            step = entry.get("step")
+            if step is None:
+                continue
+            step = _device_step(step, param.device)
+            old = old_steps.get(id(param))
+            if old is not None and old is not step and old.device == step.device and old.dtype == step.dtype:
+                old.copy_(step)
+                step = old
+            entry["step"] = step
+            self._counts[id(param)] = int(step.item())  # loading may read the host; a step may not
 
     def _scale_entries(self, param: torch.Tensor, entry: dict) -> dict:
         """`<moment>_scale` of each fp8 moment of `param` (uint8 E8M0 per element, shaped like it)."""
@@ -394,8 +519,9 @@ class FusedAdamW(torch.optim.AdamW):
         self.grad_norm = norm
         return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
 
-    def _step_group(self, group, members: list[tuple[dict, MainParam]], coef) -> list[torch.Tensor]:
-        """Step every piece of `group` this optimizer holds; return their step counters (incremented by the caller)."""
+    def _step_group(self, group, members: list[tuple[dict, MainParam]], coef, planned=None) -> list[torch.Tensor]:
+        """Step every piece of `group` this optimizer holds; return their step counters (incremented by the caller).
+        `planned`: capturable, the group's runs and their rows of `device_scalars`."""
         moments = self._flat_moments(group)
         exp_avg, exp_avg_sq = moments.flat
         mine = {id(piece) for _, piece in members}
@@ -405,14 +531,15 @@ class FusedAdamW(torch.optim.AdamW):
             out = None  # a gather input must be written whole
         main_grad = group.grads.main_grad
         device_coef = coef.to(group.main.device) if coef is not None else None
+        cut = _runs(members, self.state, moments, main_grad) if planned is None else planned[0]
         runs = [  # every tensor the kernels read, made here on the compute stream
             (run, main_grad[run.start : run.stop] if not run.grads else torch.cat([g.reshape(-1) for g in run.grads]))
-            for run in _runs(members, self.state, moments, main_grad)
+            for run in cut
         ]
         aside = self.overlap_next_forward and out is not None and _steps_aside(group)
         inputs = (*(grad for _, grad in runs), *([device_coef] if device_coef is not None else []))
         with group.step_on_optim_stream(inputs) if aside else nullcontext():
-            for run, grad in runs:
+            for index, (run, grad) in enumerate(runs):
                 lo, hi = run.start, run.stop
                 blocks = moments.run_blocks(run, group.main.device)
                 count = 0 if blocks is None else blocks.count
@@ -421,7 +548,7 @@ class FusedAdamW(torch.optim.AdamW):
                     grad,
                     exp_avg[lo:hi],
                     exp_avg_sq[lo:hi],
-                    _scalars(run.options, run.step + 1),
+                    _scalars(run.options, run.step + 1) if planned is None else planned[1][index],
                     device_coef,
                     None if out is None else out[lo:hi],
                     self.backend,
@@ -438,6 +565,10 @@ class FusedAdamW(torch.optim.AdamW):
         if out is not None:
             group.compute_weights_written()
         steps = [self.state[piece.param]["step"] for _, piece in members]
+        if planned is not None:
+            for _, piece in members:
+                if id(piece.param) in self._counts:
+                    self._counts[id(piece.param)] += 1
         if whole and self.prestage_gathers:
             group.release_grads()  # stepped: its gradient buffer is free for the gather inputs written after it
         return steps
@@ -467,8 +598,9 @@ class FusedAdamW(torch.optim.AdamW):
         scales = tuple(torch.ones(blocks, device=like.device) if is_fp8(d) else None for d in self.dtypes)
         return _Moments(flat, scales, first)
 
-    def _step_tensor(self, options: dict, param: torch.Tensor, coef) -> torch.Tensor:
-        """A parameter that is no hfsdp piece: its own state tensors, stepped on their own."""
+    def _step_tensor(self, options: dict, param: torch.Tensor, coef, row: torch.Tensor | None = None) -> torch.Tensor:
+        """A parameter that is no hfsdp piece: its own state tensors, stepped on their own (capturable: with its row
+        of `device_scalars`)."""
         state = self.state[param]
         moments = self._loose_moments(param)
         state.setdefault("step", torch.tensor(0.0))
@@ -480,7 +612,7 @@ class FusedAdamW(torch.optim.AdamW):
         if param.dtype != torch.float32:
             raise TypeError(f"FusedAdamW steps fp32 parameters; this one is {param.dtype}.")
         data = param if param.is_contiguous() else param.contiguous()
-        scalars = _scalars(options, int(state["step"].item()) + 1)
+        scalars = _scalars(options, int(state["step"].item()) + 1) if row is None else row
         grad = param.grad.reshape(-1).float().contiguous()
         c = coef.to(param.device) if coef is not None else None
         view = data.view(-1)
@@ -508,6 +640,37 @@ def _scalars(options: dict, step: int) -> AdamWScalars:
     return AdamWScalars.of(lr, beta1, beta2, eps, decay, step)
 
 
+def _scalar_inputs(options: dict, lrs: list, rows: list) -> None:
+    """A run's inputs to `device_scalars`: its tensor lr (or None) and its row of `scalar_constants`."""
+    lr = options["lr"]
+    beta1, beta2 = (float(b) for b in options["betas"])
+    tensor = isinstance(lr, torch.Tensor)
+    lrs.append(lr if tensor else None)
+    rows.append((0.0 if tensor else float(lr), beta1, beta2, float(options["eps"]), float(options["weight_decay"])))
+
+
+def _device_step(step, device) -> torch.Tensor:
+    """A step count as capturable keeps it: a 0-dim fp32 tensor on `device` (`step` itself when it is one already;
+    otherwise a copy, never a read on the host)."""
+    if isinstance(step, torch.Tensor):
+        if step.device == device and step.dtype == torch.float32 and step.dim() == 0:
+            return step
+        return step.to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
+
+
+def _check_capturable_params(param_groups) -> None:
+    """Refuse, at construction, what `capturable=True` cannot step without the host: offloaded groups."""
+    for options in param_groups:
+        for param in options["params"]:
+            piece = piece_of(param)
+            if piece is not None and piece.group.offload:
+                raise ValueError(
+                    "FusedAdamW(capturable=True) cannot step a group offloaded to host memory (offload=...): its "
+                    "step runs on the CPU; use capturable=False with offload."
+                )
+
+
 def _reads_buffer(piece: MainParam, optimizer) -> bool:
     """Whether `optimizer` steps `piece` from its group's reduced gradient in the reduce dtype (no `.grad` copy)."""
     grads = piece.group.grads
@@ -515,10 +678,12 @@ def _reads_buffer(piece: MainParam, optimizer) -> bool:
     return mine and grads.reduce_dtype != torch.float32 and grads.holds and not piece.group.offload
 
 
-def _runs(members, state, moments: _Moments, main_grad) -> list[_Run]:
+def _runs(members, state, moments: _Moments, main_grad, capturable=None) -> list[_Run]:
     """Cut the pieces of one group into runs, giving each piece its state (views into the flat moments, starting at
     zero). A piece whose gradient is not the view into the group's reduced gradient (an fp32 copy made for another
-    reduce dtype, where the optimizer does not read the buffer itself) brings it along."""
+    reduce dtype, where the optimizer does not read the buffer itself) brings it along. `capturable` (the optimizer,
+    in that mode): steps live on the device and are never read; pieces join a run where the host knows their
+    counts are equal (`FusedAdamW._counts`), and a piece of unknown count is a run of its own."""
     runs: list[_Run] = []
     for options, piece in sorted(members, key=lambda m: m[1].offset):
         lo, hi = piece.offset, piece.offset + piece.stop - piece.start
@@ -526,15 +691,21 @@ def _runs(members, state, moments: _Moments, main_grad) -> list[_Run]:
         for index, key in enumerate(MOMENTS):
             _adopt(entry, key, moments.flat[index][lo:hi], piece.param.shape)
         step = entry.get("step")
-        if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.dtype != torch.float32:
-            entry["step"] = step = torch.tensor(float(step or 0.0))
-        count = int(step.item())
+        if capturable is not None:
+            if step is None:
+                capturable._counts[id(piece.param)] = 0
+            entry["step"] = _device_step(step, piece.param.device)
+            count = capturable._counts.get(id(piece.param))
+        else:
+            if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.dtype != torch.float32:
+                entry["step"] = step = torch.tensor(float(step or 0.0))
+            count = int(step.item())
         grad = piece.param.grad
         own = grad is not None and (
             main_grad is None or grad.data_ptr() != main_grad[lo:].data_ptr() or not grad.is_contiguous()
         )
         last = runs[-1] if runs else None
-        joins = last is not None and last.stop == lo and last.options is options and last.step == count
+        joins = last is not None and last.stop == lo and last.options is options and last.step == count is not None
         if joins and bool(last.grads) == own:
             last.stop = hi
         else:
@@ -598,13 +769,19 @@ def _steps_aside(group) -> bool:
     return group.streams.overlaps and not group.offload and (owner is None or owner.outer is None)
 
 
-def _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage, backend) -> list[str]:
+def _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage, backend, capturable) -> list[str]:
     def number(x) -> bool:
         return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
     problems = []
-    if not number(lr) or lr < 0:
-        problems.append(f"lr must be a number >= 0 (a float, not a tensor), got {lr!r}")
+    if not isinstance(capturable, bool):
+        problems.append(f"capturable must be True or False, got {capturable!r}")
+    if capturable is True and isinstance(lr, torch.Tensor):
+        if lr.dim() != 0 or not lr.is_floating_point() or not math.isfinite(float(lr)) or float(lr) < 0:
+            problems.append(f"lr must be a number >= 0 or a 0-dim floating tensor holding one, got {lr!r}")
+    elif not number(lr) or lr < 0:
+        tensor = " or, with capturable=True, a 0-dim tensor" if capturable is True else " (a float, not a tensor)"
+        problems.append(f"lr must be a number >= 0{tensor}, got {lr!r}")
     if not (isinstance(betas, tuple | list) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
         problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
     if not number(eps) or eps < 0:
