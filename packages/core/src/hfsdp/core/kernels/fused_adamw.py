@@ -29,6 +29,19 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
   yet written; read parameters or this optimizer's state only after the model's `wait_for_weights()` (or
   `FusedAdamW.wait()`); hfsdp's state dicts and checkpoints do it themselves. Offloaded groups and DiLoCo
   instances step in order as before.
+- `capturable` (torch's AdamW's name and meaning; Megatron's --optimizer-cuda-graph): each "step" is a 0-dim fp32
+  tensor on the parameter's device, the per-step scalars are computed there from it (`adamw_kernel.device_scalars`:
+  the host's double operations, then rounded to fp32, so the same bits as without it; only `pow` is the device's,
+  which could differ from the host's in the last bit of a double, far below fp32) and the kernels read them from a
+  tensor: nothing in `step()` reads a tensor on the host, and a `torch.cuda.CUDAGraph` that captured `step()`
+  advances the step counts on the device at each replay. Baked into a captured graph: a float `lr` (give a 0-dim
+  tensor on the device, which LR schedulers fill in place, to have each replay read the current one), betas, eps,
+  weight decay, which parameters have a gradient, and every tensor's address (gradients included: the caller keeps
+  them in place). Step once eagerly before capturing (it makes the state and the constants). A tensor lr and the
+  step tensors stay the same tensors through `load_state_dict` (they take the loaded values). Refused with
+  capturable=True: `prestage_gathers` and `overlap_next_forward` (the step allocates the next gather's input and
+  frees the gradient buffer: host bookkeeping a replay would not redo), and offloaded groups (stepped on the CPU).
+  The clip's global norm stays on the device (an all-reduce, no host read).
 
 Moment dtypes (Megatron's precision-aware optimizer, `exp_avg_dtype`, `exp_avg_sq_dtype`: torch.float32 by default,
 torch.bfloat16, torch.float16, or fp8; Megatron's names "fp32", "bf16", "fp16", "fp8" work too, through
