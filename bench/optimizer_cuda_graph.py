@@ -13,12 +13,13 @@ The captured region is FusedAdamW's own step (norm, clip, every group's kernels,
 hooks (before: wait for the last gathers; after: publish the new weights, release the gradient buffers) are host
 bookkeeping and run eagerly around each replay, as `opt.step()` runs them around the step.
 
-The gradient buffer: hfsdp frees each group's flat gradient buffer after the step (`GradBuffer.free`, from
-`release_grads`) and allocates a new one (`torch.empty`) in the next backward. A graph replays the addresses it
-captured, so a replay is only right when the caching allocator hands back the same blocks. This script checks
-every group's gradient address before every replay and stops the graph variant with that reason if one moved (to
-make capture safe by design, the buffer would have to be kept allocated across steps: about 2 (bf16) or 4 (fp32)
-bytes per parameter held through the forward's activation peak).
+The gradient buffer: hfsdp frees each group's flat gradient buffer after the step and makes a new one in the next
+backward, except under `FusedAdamW(capturable=True)`, which keeps each at one address (`GradBuffer.keep_storage`:
+2 (bf16) or 4 (fp32) bytes per element held through the forward). A graph replays the addresses it captured; this
+script still checks every group's gradient address before every replay and stops the graph variant if one moved.
+
+The correctness check runs with deterministic algorithms (as `gpu_correctness.py`: attention's backward otherwise
+sums with atomics, and two eager runs differ); the timed variants without.
 
 Per variant: median over the steps of the whole step (CUDA events: forward+backward, optimizer step incl. hooks,
 total; wall time with a synchronize per step), and of the host time spent issuing the optimizer step. Correctness
@@ -361,6 +362,7 @@ def median(rows: list[dict], key: str) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmuls
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = init(args)
@@ -373,6 +375,8 @@ def main(argv=None) -> int:
 
     if not args.no_check:
         checks, states = {}, {}
+        torch.use_deterministic_algorithms(True)  # the same gradients in every variant (see the module docstring)
+        torch.backends.cuda.enable_cudnn_sdp(False)
         for variant in ("eager", "eager capturable", "graph"):
             try:
                 states[variant] = run_variant(args, device, shape, variant, data[:3])["state"]
@@ -383,6 +387,7 @@ def main(argv=None) -> int:
             if "eager" in states and variant in states:
                 checks[f"{variant} vs eager (capturable=False)"] = compare(states["eager"], states[variant])
         result["check"] = checks
+        torch.use_deterministic_algorithms(False)
         for name, check in checks.items():
             print(f"check, 3 steps, {name}: " + ", ".join(
                 f"{k} max|diff| {v['max_abs_diff']:.3g} {'bit-identical' if v['bit_identical'] else 'DIFFERENT'}"
@@ -406,10 +411,8 @@ def main(argv=None) -> int:
               flush=True)  # fmt: skip
 
     result["gradient_buffer"] = (
-        "hfsdp frees each group's flat gradient buffer after the step (after_step -> release_grads -> GradBuffer.free) "
-        "and allocates a new one in the next backward (GradBuffer._written_grads, torch.empty): a replay is right "
-        "only while the caching allocator returns the same addresses, checked before every replay here. Capture "
-        "safe by design needs a buffer kept across steps (reduce-dtype bytes per parameter through the forward)."
+        "under FusedAdamW(capturable=True) every group keeps its gradient buffer at one address from step to step "
+        "(GradBuffer.keep_storage), held through the forward; checked before every replay here."
     )
     (out_dir / "optimizer_cuda_graph.json").write_text(json.dumps(result, indent=1, default=str))
     (out_dir / "optimizer_cuda_graph.txt").write_text(summary(result))

@@ -226,10 +226,14 @@ def _snapshot(sharded, opt) -> dict:
     }
 
 
-def _train(sharded, opt, steps, start=0, capturable=False, scheduler=None):
+def _train(sharded, opt, steps, start=0, capturable=False, scheduler=None, addresses=None):
+    from hfsdp.core import sharding_of
+
     norms = []
     for step in range(start, start + steps):
         accumulated_loss(sharded, step, 2, 0, 1)
+        if addresses is not None:  # where each group's reduced gradient is, step by step
+            addresses.append([g.grads.main_grad.data_ptr() for g in sharding_of(sharded).groups])
         with no_host_reads() if capturable else contextlib.nullcontext():
             opt.step()
         if opt.grad_norm is not None:
@@ -242,7 +246,7 @@ def _train(sharded, opt, steps, start=0, capturable=False, scheduler=None):
 
 def _engine_cases(rank, world, root):
     from hfsdp.ckpt import load_checkpoint, save_checkpoint
-    from hfsdp.core import MixedPrecision
+    from hfsdp.core import MixedPrecision, sharding_of
 
     out = {}
     cases = {
@@ -261,8 +265,10 @@ def _engine_cases(rank, world, root):
                 sharded.parameters(), lr=LR, weight_decay=WD, max_grad_norm=clip, exp_avg_dtype=m,
                 exp_avg_sq_dtype=v, capturable=capturable,
             )  # fmt: skip
-            norms = _train(sharded, opt, STEPS, capturable=capturable)
-            runs[capturable] = {**_snapshot(sharded, opt), "norms": norms}
+            addresses = []
+            norms = _train(sharded, opt, STEPS, capturable=capturable, addresses=addresses)
+            kept = [g.grads.keep_storage for g in sharding_of(sharded).groups]
+            runs[capturable] = {**_snapshot(sharded, opt), "norms": norms, "addresses": addresses, "kept": kept}
         out[name] = runs
 
     # A 0-dim float64 lr tensor on a warmup-then-decay schedule (capturable) against the same schedule on floats.
@@ -331,6 +337,18 @@ def test_an_hfsdp_model_trains_as_without_capturable_bit_for_bit(engine, name):
     assert plain["step_devices"] == ["cpu"] and device["step_devices"] == ["cpu"]
     for x, y in zip(plain.get("norms", []), device.get("norms", []), strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "name", ["fp32 moments, clipped", "bf16 moments, bf16 gradients read from the buffer, clipped"]
+)
+def test_a_capturable_step_reads_its_gradients_at_one_address_every_step(engine, name):
+    """A captured step replays the addresses it read: under capturable=True every group keeps its gradient buffer
+    (freed after each step otherwise)."""
+    plain, device = engine[name][False], engine[name][True]
+    assert all(device["kept"]) and not any(plain["kept"])
+    assert len(device["addresses"]) == STEPS
+    assert all(step == device["addresses"][0] for step in device["addresses"])
 
 
 def test_a_capturable_checkpoint_resumes_in_either_mode(engine):

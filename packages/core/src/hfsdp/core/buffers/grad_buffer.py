@@ -48,6 +48,10 @@ class GradBuffer:
         self.reduce_dtype, self.device = reduce_dtype, device
         self.buffer: torch.Tensor | None = None  # this rank's grad_range of the padded buffer, reduce dtype
         self.pending: PendingReduction | None = None
+        # Keep the buffer's memory from step to step, at the same address (`FusedAdamW(capturable=True)`: a captured
+        # step reads the gradients where they were at capture). Costs its bytes through the forward.
+        self.keep_storage = False
+        self._kept: torch.Tensor | None = None
 
     @property
     def holds(self) -> bool:
@@ -132,12 +136,20 @@ class GradBuffer:
             self.pending = None
 
     def free(self) -> None:
-        """Drop the buffer (after any reduction into it): the next backward starts from zero."""
+        """Drop the buffer (after any reduction into it): the next backward starts from zero (with `keep_storage`, in
+        the same memory, which the next step's first write overwrites whole)."""
         self.release()
+        if self.keep_storage:
+            self._kept = self.buffer
         self.buffer = None
 
     def _empty(self, extent: tuple[int, int]) -> torch.Tensor:
-        return torch.empty(extent[1] - extent[0], dtype=self.reduce_dtype, device=self.device)
+        size = extent[1] - extent[0]
+        kept = self._kept
+        if kept is not None and kept.numel() == size:  # the buffer's extent: its kept memory (`keep_storage`)
+            self._kept = None
+            return kept
+        return torch.empty(size, dtype=self.reduce_dtype, device=self.device)
 
     def _written_grads(self) -> torch.Tensor:
         """A new padded buffer of the reduction dtype holding this microbatch's grads (and zero padding)."""

@@ -36,9 +36,11 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
   tensor: nothing in `step()` reads a tensor on the host, and a `torch.cuda.CUDAGraph` that captured `step()`
   advances the step counts on the device at each replay. Baked into a captured graph: a float `lr` (give a 0-dim
   tensor on the device, which LR schedulers fill in place, to have each replay read the current one), betas, eps,
-  weight decay, which parameters have a gradient, and every tensor's address (gradients included: the caller keeps
-  them in place). Step once eagerly before capturing (it makes the state and the constants). A tensor lr and the
-  step tensors stay the same tensors through `load_state_dict` (they take the loaded values). Refused with
+  weight decay, which parameters have a gradient, and every tensor's address (hfsdp's gradient buffers stay at
+  one address from step to step under a capturable optimizer, at the price of holding them through the forward:
+  4 bytes per element of the rank's gradient range in fp32, 2 in bf16). Step once eagerly before capturing (it
+  makes the state and the constants). A tensor lr and the step tensors stay the same tensors through
+  `load_state_dict` (they take the loaded values). Refused with
   capturable=True: `prestage_gathers` and `overlap_next_forward` (the step allocates the next gather's input and
   frees the gradient buffer: host bookkeeping a replay would not redo), and offloaded groups (stepped on the CPU).
   The clip's global norm stays on the device (an all-reduce, no host read).
@@ -673,7 +675,8 @@ def _device_step(step, device) -> torch.Tensor:
 
 
 def _check_capturable_params(param_groups) -> None:
-    """Refuse, at construction, what `capturable=True` cannot step without the host: offloaded groups."""
+    """Refuse, at construction, what `capturable=True` cannot step without the host: offloaded groups. Every other
+    group keeps its gradient buffer at one address from step to step, where a captured step reads it."""
     for options in param_groups:
         for param in options["params"]:
             piece = piece_of(param)
@@ -682,6 +685,8 @@ def _check_capturable_params(param_groups) -> None:
                     "FusedAdamW(capturable=True) cannot step a group offloaded to host memory (offload=...): its "
                     "step runs on the CPU; use capturable=False with offload."
                 )
+            if piece is not None:
+                piece.group.grads.keep_storage = True
 
 
 def _reads_buffer(piece: MainParam, optimizer) -> bool:
