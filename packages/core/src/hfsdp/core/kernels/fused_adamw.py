@@ -118,12 +118,11 @@ from hfsdp.core.kernels.adamw_kernel import (
     AdamWScalars,
     ScaleBlocks,
     adamw_run,
-    device_scalars,
     is_fp8,
-    scalar_constants,
     store_moment,
     triton,
 )
+from hfsdp.core.kernels.capturable import CapturableSteps, device_step, prepare_params, refuse_offloaded
 from hfsdp.core.kernels.optimizer_dtypes import state_dtype
 
 BACKENDS = ("auto", "triton", "torch")
@@ -236,10 +235,9 @@ class FusedAdamW(torch.optim.AdamW):
             **({"capturable": True} if capturable else {}),
         )
         self.capturable = capturable
+        self._capture = CapturableSteps() if capturable else None  # its host bookkeeping (`capturable.py`)
         if capturable:
-            _check_capturable_params(self.param_groups)
-        self._counts: dict[int, int] = {}  # capturable: id(param) -> its step count as the host knows it
-        self._constants: dict[tuple, torch.Tensor] = {}  # capturable: `scalar_constants` tensors, by their rows
+            prepare_params(self.param_groups)
         self.max_grad_norm, self.prestage_gathers, self.backend = max_grad_norm, prestage_gathers, backend
         self.overlap_next_forward = overlap_next_forward
         self._in_flight: list = []  # groups whose last step ran on the optim stream
@@ -281,40 +279,18 @@ class FusedAdamW(torch.optim.AdamW):
 
     def _step_on_device(self, by_group, loose, coef) -> list[torch.Tensor]:
         """`capturable`: every group's runs and every loose tensor, their scalars computed on the device from their
-        step tensors in one batch (`device_scalars`), then stepped as without it. Nothing is read on the host."""
+        step tensors in one batch, then stepped as without it. Nothing is read on the host."""
         planned = []
         for group, members in by_group.values():
-            if group.offload:
-                raise ValueError(
-                    "FusedAdamW(capturable=True) cannot step a group offloaded to host memory (offload=...): its "
-                    "step runs on the CPU; use capturable=False with offload."
-                )
+            refuse_offloaded(group)
             moments = self._flat_moments(group)
-            planned.append((group, members, _runs(members, self.state, moments, group.grads.main_grad, self)))
+            planned.append((group, members, _runs(members, self.state, moments, group.grads.main_grad, self._capture)))
         tensors = [(options, param, self._tensor_state(param)) for options, param in loose]
-        steps, lrs, rows = [], [], []
-        for _, _, runs in planned:
-            for run in runs:
-                steps.append(run.states[0]["step"])
-                _scalar_inputs(run.options, lrs, rows)
-        for options, _, state in tensors:
-            steps.append(state["step"])
-            _scalar_inputs(options, lrs, rows)
+        steps = [run.states[0]["step"] for _, _, runs in planned for run in runs] + [t[2]["step"] for t in tensors]
         if not steps:
             return []
-        device = steps[0].device
-        if any(s.device != device for s in steps):
-            raise ValueError(
-                "FusedAdamW(capturable=True) steps parameters on one device; these are on "
-                f"{sorted({str(s.device) for s in steps})}."
-            )
-        for lr in lrs:
-            if lr is not None and lr.device != device:
-                raise ValueError(
-                    f"FusedAdamW(capturable=True): a tensor lr must be on the parameters' device ({device}), this one "
-                    f"is on {lr.device}."
-                )
-        scalars = device_scalars(steps, lrs, self._scalar_constants(rows, device))
+        options = [run.options for _, _, runs in planned for run in runs] + [t[0] for t in tensors]
+        scalars = self._capture.scalars(steps, options)
         stepped, at = [], 0
         for group, members, runs in planned:
             stepped.extend(self._step_group(group, members, coef, (runs, scalars[at : at + len(runs)])))
@@ -323,25 +299,10 @@ class FusedAdamW(torch.optim.AdamW):
             stepped.append(self._step_tensor(options, param, coef, row))
         return stepped
 
-    def _scalar_constants(self, rows: list[tuple], device) -> torch.Tensor:
-        key = (str(device), tuple(rows))
-        found = self._constants.get(key)
-        if found is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "FusedAdamW(capturable=True): lr, betas, eps or weight_decay changed since the last eager step, "
-                    "and the step is being captured into a CUDA graph; step once eagerly (the warm-up torch's docs "
-                    "ask for) with the values the graph should bake in, then capture."
-                )
-            if len(self._constants) > 64:
-                self._constants.clear()  # a float lr changed every step (a scheduler): keep the newest only
-            found = self._constants[key] = scalar_constants(list(rows), device)
-        return found
-
     def _tensor_state(self, param: torch.Tensor) -> dict:
         """A loose tensor's state with its step on its device (capturable)."""
         state = self.state[param]
-        state["step"] = _device_step(state.get("step"), param.device)
+        state["step"] = device_step(state.get("step"), param.device)
         return state
 
     def _empty_state(self, piece: MainParam) -> dict:
@@ -350,7 +311,7 @@ class FusedAdamW(torch.optim.AdamW):
         it writes a step count once, from any rank)."""
         entry = self.state[piece.param]
         if self.capturable:
-            entry["step"] = _device_step(entry.get("step"), piece.param.device)
+            entry["step"] = device_step(entry.get("step"), piece.param.device)
         elif not isinstance(entry.get("step"), torch.Tensor):
             entry["step"] = torch.tensor(float(entry.get("step") or 0.0))
         for key, dtype in zip(MOMENTS, self.dtypes, strict=True):
@@ -423,28 +384,7 @@ class FusedAdamW(torch.optim.AdamW):
             if tensors:
                 self._adopt_loaded(by_index[index], tensors)
         if self.capturable:
-            self._after_capturable_load(lrs, old_steps)
-
-    def _after_capturable_load(self, lrs: list, old_steps: dict) -> None:
-        """Keep a tensor lr and each device step tensor the same tensors, holding the loaded values (a graph captured
-        before the load then reads them), and note each piece's step count on the host (runs join pieces of one
-        count)."""
-        for group, lr in zip(self.param_groups, lrs, strict=True):
-            if isinstance(lr, torch.Tensor) and group["lr"] is not lr:
-                lr.fill_(group["lr"].to(lr.device) if isinstance(group["lr"], torch.Tensor) else float(group["lr"]))
-                group["lr"] = lr
-        self._counts.clear()
-        for param, entry in self.state.items():
-            step = entry.get("step")
-            if step is None:
-                continue
-            step = _device_step(step, param.device)
-            old = old_steps.get(id(param))
-            if old is not None and old is not step and old.device == step.device and old.dtype == step.dtype:
-                old.copy_(step)
-                step = old
-            entry["step"] = step
-            self._counts[id(param)] = int(step.item())  # loading may read the host; a step may not
+            self._capture.after_load(self.param_groups, self.state, lrs, old_steps)
 
     def _scale_entries(self, param: torch.Tensor, entry: dict) -> dict:
         """`<moment>_scale` of each fp8 moment of `param` (uint8 E8M0 per element, shaped like it)."""
@@ -581,9 +521,7 @@ class FusedAdamW(torch.optim.AdamW):
             group.compute_weights_written()
         steps = [self.state[piece.param]["step"] for _, piece in members]
         if planned is not None:
-            for _, piece in members:
-                if id(piece.param) in self._counts:
-                    self._counts[id(piece.param)] += 1
+            self._capture.stepped(piece.param for _, piece in members)
         if whole and self.prestage_gathers:
             group.release_grads()  # stepped: its gradient buffer is free for the gather inputs written after it
         return steps
@@ -655,40 +593,6 @@ def _scalars(options: dict, step: int) -> AdamWScalars:
     return AdamWScalars.of(lr, beta1, beta2, eps, decay, step)
 
 
-def _scalar_inputs(options: dict, lrs: list, rows: list) -> None:
-    """A run's inputs to `device_scalars`: its tensor lr (or None) and its row of `scalar_constants`."""
-    lr = options["lr"]
-    beta1, beta2 = (float(b) for b in options["betas"])
-    tensor = isinstance(lr, torch.Tensor)
-    lrs.append(lr if tensor else None)
-    rows.append((0.0 if tensor else float(lr), beta1, beta2, float(options["eps"]), float(options["weight_decay"])))
-
-
-def _device_step(step, device) -> torch.Tensor:
-    """A step count as capturable keeps it: a 0-dim fp32 tensor on `device` (`step` itself when it is one already;
-    otherwise a copy, never a read on the host)."""
-    if isinstance(step, torch.Tensor):
-        if step.device == device and step.dtype == torch.float32 and step.dim() == 0:
-            return step
-        return step.to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
-
-
-def _check_capturable_params(param_groups) -> None:
-    """Refuse, at construction, what `capturable=True` cannot step without the host: offloaded groups. Every other
-    group keeps its gradient buffer at one address from step to step, where a captured step reads it."""
-    for options in param_groups:
-        for param in options["params"]:
-            piece = piece_of(param)
-            if piece is not None and piece.group.offload:
-                raise ValueError(
-                    "FusedAdamW(capturable=True) cannot step a group offloaded to host memory (offload=...): its "
-                    "step runs on the CPU; use capturable=False with offload."
-                )
-            if piece is not None:
-                piece.group.grads.keep_storage = True
-
-
 def _reads_buffer(piece: MainParam, optimizer) -> bool:
     """Whether `optimizer` steps `piece` from its group's reduced gradient in the reduce dtype (no `.grad` copy)."""
     grads = piece.group.grads
@@ -699,9 +603,9 @@ def _reads_buffer(piece: MainParam, optimizer) -> bool:
 def _runs(members, state, moments: _Moments, main_grad, capturable=None) -> list[_Run]:
     """Cut the pieces of one group into runs, giving each piece its state (views into the flat moments, starting at
     zero). A piece whose gradient is not the view into the group's reduced gradient (an fp32 copy made for another
-    reduce dtype, where the optimizer does not read the buffer itself) brings it along. `capturable` (the optimizer,
-    in that mode): steps live on the device and are never read; pieces join a run where the host knows their
-    counts are equal (`FusedAdamW._counts`), and a piece of unknown count is a run of its own."""
+    reduce dtype, where the optimizer does not read the buffer itself) brings it along. `capturable` (a capturable
+    optimizer's `CapturableSteps`): steps live on the device and are never read; pieces join a run where the host
+    knows their counts are equal (`CapturableSteps.counts`), and a piece of unknown count is a run of its own."""
     runs: list[_Run] = []
     for options, piece in sorted(members, key=lambda m: m[1].offset):
         lo, hi = piece.offset, piece.offset + piece.stop - piece.start
@@ -711,9 +615,9 @@ def _runs(members, state, moments: _Moments, main_grad, capturable=None) -> list
         step = entry.get("step")
         if capturable is not None:
             if step is None:
-                capturable._counts[id(piece.param)] = 0
-            entry["step"] = _device_step(step, piece.param.device)
-            count = capturable._counts.get(id(piece.param))
+                capturable.counts[id(piece.param)] = 0
+            entry["step"] = device_step(step, piece.param.device)
+            count = capturable.counts.get(id(piece.param))
         else:
             if not isinstance(step, torch.Tensor) or step.device.type != "cpu" or step.dtype != torch.float32:
                 entry["step"] = step = torch.tensor(float(step or 0.0))
