@@ -95,8 +95,11 @@ def main() -> None:
     if args.save:
         record = {"format": "transformers", "config": config.to_dict()}
         save_checkpoint(args.save, model, opt, step=args.steps, model_record=record)
-    # torch's gloo keeps finished collectives in reference cycles; collected only at interpreter exit, they can
-    # abort the process (seen about once in five runs here), so collect them while the process group lives.
+    # torch's gloo keeps finished collectives in reference cycles, and the model's meshes hold its process groups;
+    # freed only at interpreter exit, either can abort the process ("terminate called without an active exception":
+    # about once in five runs before, once in a full test suite under load since), so free them while the default
+    # process group lives.
+    del model, opt, lr, meshes
     gc.collect()
     dist.destroy_process_group()
 
