@@ -104,18 +104,22 @@ def _same_state(a: list, b: list) -> None:
             assert torch.equal(x[key][1], y[key][1]), key
 
 
+def _step_both(ref, eager, opt, device, grads) -> None:
+    """One step of `ref` over `eager` and of the capturable `opt` over `device` (no host read), the same gradients."""
+    for p, q, g in zip(eager, device, grads, strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    ref.step()
+    with no_host_reads():
+        opt.step()
+
+
 @pytest.mark.parametrize("moments", sorted(MOMENTS))
 def test_plain_tensors_step_as_without_capturable_bit_for_bit(moments):
     eager, ref = _plain(False, moments)
     device, opt = _plain(True, moments)
     gen = torch.Generator().manual_seed(1)
     for step in range(6):
-        grads = [torch.randn(p.shape, generator=gen) * (1 + step) for p in eager]
-        for p, q, g in zip(eager, device, grads, strict=True):
-            p.grad, q.grad = g.clone(), g.clone()
-        ref.step()
-        with no_host_reads():
-            opt.step()
+        _step_both(ref, eager, opt, device, [torch.randn(p.shape, generator=gen) * (1 + step) for p in eager])
     for p, q in zip(eager, device, strict=True):
         assert torch.equal(p, q)
     _same_state(_state_bits(ref, eager), _state_bits(opt, device))
@@ -176,12 +180,7 @@ def test_a_state_dict_round_trip_puts_steps_where_each_mode_keeps_them():
     ref.load_state_dict(copy.deepcopy(opt.state_dict()))  # and back
     assert ref.param_groups[0]["capturable"] is False
     assert all(isinstance(ref.state[p]["step"], torch.Tensor) for p in eager)
-    for p, q in zip(eager, device, strict=True):
-        p.grad = torch.full_like(p, 0.5)
-        q.grad = torch.full_like(q, 0.5)
-    ref.step()
-    with no_host_reads():
-        opt.step()
+    _step_both(ref, eager, opt, device, [torch.full_like(p, 0.5) for p in eager])
     for p, q in zip(eager, device, strict=True):
         assert torch.equal(p, q)
     _same_state(_state_bits(ref, eager), _state_bits(opt, device))

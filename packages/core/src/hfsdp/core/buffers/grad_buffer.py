@@ -74,12 +74,12 @@ class GradBuffer:
             flat = self._written_grads()
             first = self.buffer is None
             if first:  # the first microbatch reduce-scatters straight into a fresh buffer
-                self.buffer = self._empty(self.flat.grad_range)
+                self.buffer = self._new_buffer(self.flat.grad_range)
             reduced = self.buffer if first else torch.empty_like(self.buffer)
             microbatch = (flat, reduced, first)
             inputs += [flat, reduced]
         elif self.buffer is None:  # the step's first microbatch writes its gradients: nothing to add them to
-            self.buffer = self._written_grads()
+            self.buffer = self._written_grads(self._new_buffer((0, self.flat.padded)))
         else:
             self._fill(self.buffer, accumulate=True)
         finals = self._final_reductions() if last else []
@@ -144,16 +144,17 @@ class GradBuffer:
         self.buffer = None
 
     def _empty(self, extent: tuple[int, int]) -> torch.Tensor:
-        size = extent[1] - extent[0]
-        kept = self._kept
-        if kept is not None and kept.numel() == size:  # the buffer's extent: its kept memory (`keep_storage`)
-            self._kept = None
-            return kept
-        return torch.empty(size, dtype=self.reduce_dtype, device=self.device)
+        return torch.empty(extent[1] - extent[0], dtype=self.reduce_dtype, device=self.device)
 
-    def _written_grads(self) -> torch.Tensor:
-        """A new padded buffer of the reduction dtype holding this microbatch's grads (and zero padding)."""
-        flat = self._empty((0, self.flat.padded))
+    def _new_buffer(self, extent: tuple[int, int]) -> torch.Tensor:
+        """Memory for `buffer`: the kept memory of the last one (`keep_storage`), else new."""
+        kept, self._kept = self._kept, None
+        return kept if kept is not None else self._empty(extent)
+
+    def _written_grads(self, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """A padded buffer of the reduction dtype (`flat`, or a new one) holding this microbatch's grads (and zero
+        padding)."""
+        flat = self._empty((0, self.flat.padded)) if flat is None else flat
         flat[self.flat.numel :].zero_()
         self._fill(flat, accumulate=False)
         return flat
