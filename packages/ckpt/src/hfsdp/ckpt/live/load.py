@@ -174,7 +174,9 @@ def _prepare(
             first = instance * numel + piece.start
             return source_range(index, kind, piece.name, numel, first, first + piece.param.numel())[0]
 
-        plan.append((MAIN, piece.name, start(MAIN), piece.param.detach().view(-1)))  # read in place
+        # Read in place into fp32 masters; into a copy where they are a bf16 shard plus a remainder (split by `_fill`).
+        master = piece.param.detach().view(-1) if piece.group.remainder is None else torch.empty(piece.param.numel())
+        plan.append((MAIN, piece.name, start(MAIN), master))
         for kind in states:
             dtype = torch_dtype(index.tensors[kind][piece.name].dtype)
             plan.append((kind, piece.name, start(kind), torch.empty(piece.param.numel(), dtype=dtype)))
@@ -217,9 +219,10 @@ def _fill(ckpt_dir: Path, index: CheckpointIndex, model, module_tensors, plan) -
     states read, by (kind, global name)."""
     states = {}
     model.wait_for_weights()  # the last step's gathers may still read the main weights
+    split = {p.name: p for p in model.main_params if p.group.remainder is not None}
     with CheckpointReader(ckpt_dir, index) as reader, torch.no_grad():
         for group in model.groups:
-            group.main.zero_()  # padding stays zero
+            group.zero_master()  # padding stays zero
         if model.outer is not None and index.outer is not None:
             for state in model.outer.states:
                 for tensor in (state.theta.detach(), model.outer.momentum(state), state.anchor):
@@ -229,6 +232,8 @@ def _fill(ckpt_dir: Path, index: CheckpointIndex, model, module_tensors, plan) -
             reader.read_into(kind, name, start, out)
             if kind == UNSHARDED:
                 module_tensors[name].copy_(out.view(module_tensors[name].shape))
+            elif kind == MAIN and name in split:  # masters kept as a bf16 shard plus a remainder
+                split[name].write_master(out)
             elif kind != MAIN and kind not in OUTER_KINDS:
                 states[kind, name] = out
     return states

@@ -193,7 +193,7 @@ def piece_tensors(model, optimizer=None, kinds: tuple[str, ...] | None = None) -
             if not piece.holds:
                 continue
             out[MODEL, piece.name] = shard[piece.offset : piece.offset + piece.param.numel()]
-            out[MAIN, piece.name] = piece.param.detach().view(-1)
+            out[MAIN, piece.name] = piece.master().view(-1)  # fp32, joined where kept as a bf16 shard + remainder
             state = optim_state.param_state(optimizer, piece.param) if optimizer is not None else {}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and (kinds is None or key in kinds):

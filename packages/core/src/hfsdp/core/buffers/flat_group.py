@@ -16,7 +16,12 @@ A `FlatParamGroup` owns these buffers:
   parameter is a view into. Its storage exists only while the unit runs
   (`unshard` / `reshard`) unless it *is* the persistent `param_shard` (a
   replicated parameter that needs no gather and no cast);
-- `grads` (`GradBuffer`): the gradient piece and its reductions.
+- `grads` (`GradBuffer`): the gradient piece and its reductions;
+- `remainder` (int16, optimizer range, only after `store_param_remainders`): the
+  low 16 bits of the fp32 main weights, whose upper half, rounded, is then the
+  bf16 `param_shard` itself (`buffers/param_remainders.py`). `main` is that
+  shard's optimizer range (bf16, what the main params view), and the fp32 main
+  weights exist only as `master_weights()`, joined when read.
 
 A *frozen* group holds parameters that need no gradient (a LoRA base): sharded and
 cast like any other, so every rank holds only its piece, but never reduced, never
@@ -61,6 +66,7 @@ from hfsdp.core.buffers.grad_buffer import GradBuffer
 from hfsdp.core.buffers.group_comms import GroupComms
 from hfsdp.core.buffers.main_params import MainParam, build_main_params
 from hfsdp.core.buffers.mixed_precision import MixedPrecision
+from hfsdp.core.buffers.param_remainders import join_master, split_master, write_master
 from hfsdp.core.buffers.streams import SyncStreams
 from hfsdp.core.offload.host_memory import page_locked_empty
 from hfsdp.core.rules.layout import MeshLayout
@@ -112,6 +118,7 @@ class FlatParamGroup:
         # (a bf16 LoRA base: 2 bytes per element, as FSDP2 keeps it).
         self.main_dtype = source.dtype if frozen else torch.float32
         self.device = source.device
+        self.remainder: torch.Tensor | None = None  # `store_param_remainders`: the masters' low 16 bits
 
         full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         with torch.no_grad():
@@ -142,7 +149,11 @@ class FlatParamGroup:
         every module parameter at its slot of `unsharded`."""
         param_slice = slice(*self.param_range)
         self.param_shard: torch.Tensor | None = None
-        if self.compute_dtype == self.main_dtype and not self.offload:
+        if self.remainder is not None:  # the masters as the bf16 shard plus their low halves
+            self.param_shard, low = split_master(full[param_slice])
+            within = FlatLayout.within(self.param_range, self.optim_range)
+            self.main, self.remainder = self.param_shard[within], low[within].clone()
+        elif self.compute_dtype == self.main_dtype and not self.offload:
             # Compute in the main weights' dtype: the optimizer steps the parameter shard itself (a sub-range).
             self.param_shard = full[param_slice].to(self.main_dtype, copy=True)
             self.main = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
@@ -182,6 +193,60 @@ class FlatParamGroup:
             _point(piece.param, held.view(piece.param.shape))
         self.state = ParamState.UNSHARDED
         self.reshard()
+
+    # -- the fp32 masters as a bf16 shard plus a remainder ----------------------------------
+
+    def store_param_remainders(self) -> None:
+        """Keep the fp32 main weights as the bf16 parameter shard plus a 16-bit remainder from now on (what
+        `FusedAdamW(store_param_remainders=True)` asks; it steps both halves). Exact: the same fp32 masters in 4
+        bytes per element of the optimizer range, 2 less where a bf16 shard is kept beside them (HFSDP's outer
+        axis, ZeRO-1/2), and the same elsewhere (ZeRO-3, HSDP, DDP, one GPU: the shard is kept now, the next
+        gather or forward reads it without a cast). Collective over the group's mesh where the shard is gathered
+        after a step: every rank converts its groups in the model's order. The main params stay the same objects,
+        now bf16 views; the bf16 weights are the masters rounded to nearest, ties away from zero
+        (`param_remainders`), published before the next forward."""
+        if self.remainder is not None:
+            return
+        self.wait_for_publish()
+        high, self.remainder = split_master(self.main)
+        if self.param_shard is None:  # none is kept only where the parameter and optimizer ranges coincide
+            self.param_shard = high
+        else:
+            self.param_shard[FlatLayout.within(self.param_range, self.optim_range)].copy_(high)
+        self.main = self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
+        self.main_dtype = high.dtype
+        for piece in self.main_params:
+            held = self.main[piece.offset : piece.offset + piece.stop - piece.start]
+            _point(piece.param, held.view(piece.param.shape))
+        if not self.flat.plan.param_gather:  # nothing to gather: the modules compute with the kept shard itself
+            self.reshard()
+            self.transient_unsharded, self.unsharded = False, self.param_shard
+            for slot in self.slots:
+                _point(slot.param, self.unsharded[slot.offset : slot.stop].view(slot.shape))
+            self.state = ParamState.UNSHARDED
+        self.publish_main_weights()
+
+    def master_weights(self) -> torch.Tensor:
+        """The fp32 main weights of this rank's optimizer range: `main` itself, or joined from the bf16 shard and
+        the remainder (a new tensor: writing it changes nothing; use `write_master`)."""
+        if self.remainder is None:
+            return self.main
+        return join_master(self.main, self.remainder)
+
+    def write_master(self, offset: int, values: torch.Tensor) -> None:
+        """Write fp32 `values` into the main weights from `offset` of the optimizer range on (split where the
+        masters are kept as a bf16 shard plus a remainder). Publish afterwards (`Sharding.republish`)."""
+        n = values.numel()
+        if self.remainder is None:
+            self.main[offset : offset + n].copy_(values.reshape(-1))
+        else:
+            write_master(self.main[offset : offset + n], self.remainder[offset : offset + n], values.float())
+
+    def zero_master(self) -> None:
+        """Zero the main weights (a checkpoint's load then writes every piece; the padding stays zero)."""
+        self.main.zero_()
+        if self.remainder is not None:
+            self.remainder.zero_()
 
     # -- the flat layout, for readers --------------------------------------------------
 
@@ -318,9 +383,10 @@ class FlatParamGroup:
             if copy:
                 self._stage_grads_on_host(pieces)
             return
-        if self.grads.reduce_dtype != torch.float32 and not copy:
+        # A piece whose optimizer reads the buffer needs no copy; a bf16 main param (remainders) takes no fp32 `.grad`.
+        direct = self.grads.reduce_dtype != torch.float32 or self.remainder is not None
+        if direct and not copy:
             return
-        direct = self.grads.reduce_dtype != torch.float32  # a piece whose optimizer reads the buffer needs no copy
         for piece in pieces:  # an empty piece gets an empty gradient: every rank has one under every name
             if piece.param.grad is None and not (direct and piece.reads_reduced_grad):
                 piece.param.grad = piece.grad_view()
@@ -466,8 +532,8 @@ class FlatParamGroup:
         forward, in exchange for the 6-byte cast). The caller writes every element of it, padding included, and
         then calls `compute_weights_written`.
         """
-        if self.offload or self.compute_dtype == torch.float32 or self.main.device != self.device:
-            return None
+        if self.offload or self.compute_dtype == self.main_dtype or self.main.device != self.device:
+            return None  # (compute in the masters' dtype, or remainders: the step writes the weights themselves)
         if self.param_shard is not None:
             return self.param_shard[FlatLayout.within(self.param_range, self.optim_range)]
         if self.fp8 is not None:  # an fp8 group quantizes the step's compute-dtype weights before its gather
@@ -550,7 +616,8 @@ class FlatParamGroup:
         separate = self.compute_dtype != self.main_dtype and not self.offload
         main = self.main.numel() * self.main.element_size() if separate else 0
         fp8 = 0 if self.fp8 is None else self.fp8.state_bytes()
-        return shard + grad + main + fp8
+        remainder = 0 if self.remainder is None else self.remainder.numel() * self.remainder.element_size()
+        return shard + grad + main + fp8 + remainder
 
 
 def _point(param: nn.Parameter, view: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from torch import nn
 
 from hfsdp.core.buffers.flat_layout import FlatLayout, ParamSlot
 from hfsdp.core.buffers.grad_buffer import GradBuffer
+from hfsdp.core.buffers.param_remainders import join_master
 
 
 class MainWeights(Protocol):
@@ -43,8 +44,11 @@ class MainWeights(Protocol):
     (so this module names only what it reads, and imports nothing above it)."""
 
     flat: FlatLayout
-    main: torch.Tensor  # this rank's optimizer range of the fp32 main weights
+    main: torch.Tensor  # this rank's optimizer range of the fp32 main weights (bf16 with a remainder)
+    remainder: torch.Tensor | None  # their low 16 bits where the masters are a bf16 shard plus a remainder
     grads: GradBuffer
+
+    def write_master(self, offset: int, values: torch.Tensor) -> None: ...
 
 
 #: Optimizers whose update of an element depends on that element's gradient and state alone.
@@ -105,6 +109,20 @@ class MainParam:
     @property
     def whole(self) -> bool:
         return self.start == 0 and self.stop == self.shape.numel()
+
+    def master(self) -> torch.Tensor:
+        """This piece's fp32 master weights, shaped like `param`: `param` itself, or where the group keeps them as
+        a bf16 weight plus a remainder (`param_remainders`) the two joined, a new tensor (write with
+        `write_master`)."""
+        remainder = self.group.remainder
+        if remainder is None:
+            return self.param.detach()
+        low = remainder[self.offset : self.offset + self.stop - self.start]
+        return join_master(self.param.detach().reshape(-1), low).view(self.param.shape)
+
+    def write_master(self, values: torch.Tensor) -> None:
+        """Write fp32 `values` (this piece's elements) into the master weights (the caller republishes)."""
+        self.group.write_master(self.offset, values.detach().reshape(-1))
 
     def grad_view(self) -> torch.Tensor:
         """The reduced gradient of this piece, as an fp32 tensor shaped like `param` (empty where this rank holds no

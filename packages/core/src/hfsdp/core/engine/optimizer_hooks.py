@@ -72,6 +72,7 @@ class OptimizerBinding:
         for sharding, pieces in self.models:
             check_elementwise(optimizer, pieces)
             _check_no_fp8_scales(optimizer, pieces)
+            _check_remainders(optimizer, pieces)
             sharding.before_step(pieces)
         self._prepared = True
 
@@ -102,6 +103,21 @@ def _check_no_fp8_scales(optimizer, pieces: list[MainParam]) -> None:
             "scales, so the moments are wrong. Load it into FusedAdamW(exp_avg_dtype='fp8', exp_avg_sq_dtype='fp8'), "
             "or go through hfsdp's checkpoints (hfsdp.ckpt.load_checkpoint), which dequantize the moments for any "
             "optimizer."
+        )
+
+
+def _check_remainders(optimizer, pieces: list[MainParam]) -> None:
+    """Refuse an optimizer that would step masters kept as a bf16 weight plus a remainder without the remainder:
+    it would update the bf16 half alone, and the next FusedAdamW step or checkpoint would join it with a stale one."""
+    if getattr(optimizer, "steps_param_remainders", False):  # FusedAdamW, which steps both halves
+        return
+    split = next((p for p in pieces if p.group.remainder is not None), None)
+    if split is not None:
+        raise TypeError(
+            f"{type(optimizer).__name__} steps parameter '{split.name}', whose fp32 master weights are kept as a "
+            "bf16 weight plus a 16-bit remainder (FusedAdamW(store_param_remainders=True) made them so): it would "
+            "update the bf16 half alone. Step these parameters with hfsdp.core.FusedAdamW, or shard the model "
+            "again and build its optimizer without store_param_remainders."
         )
 
 

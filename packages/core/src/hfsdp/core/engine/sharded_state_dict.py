@@ -62,7 +62,7 @@ def sharded_state_dict(sharding) -> dict[str, Any]:
     for name, value in nn.Module.state_dict(sharding.module, keep_vars=True).items():
         piece = piece_of(value) if isinstance(value, torch.Tensor) else None
         if piece is not None:
-            out[name] = piece_tensor(piece, piece.param)
+            out[name] = piece_tensor(piece, piece.master())  # the fp32 masters (joined where kept as remainders)
         elif isinstance(value, torch.Tensor):
             out[name] = value.detach()
         else:
@@ -93,7 +93,7 @@ def load(sharding, state_dict: dict[str, Any], strict: bool = True) -> _Incompat
             target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
             continue
         data = to_piece(value, piece.shape, piece.start, piece.stop)  # every rank, every key: may gather
-        if data.numel() and data.data_ptr() != piece.param.data_ptr():
-            piece.param.view(-1).copy_(data.reshape(-1))
+        if data.numel() and (piece.group.remainder is not None or data.data_ptr() != piece.param.data_ptr()):
+            piece.write_master(data)
     sharding.republish()
     return _IncompatibleKeys(missing, unexpected)

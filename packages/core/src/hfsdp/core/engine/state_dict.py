@@ -44,7 +44,7 @@ def gather_main(group: FlatParamGroup) -> torch.Tensor:
     device = group.device
     full = torch.empty(group.padded, dtype=torch.float32, device=device)
     piece = full[slice(*group.optim_range)]
-    piece.copy_(group.main)
+    piece.copy_(group.master_weights())
     sharded = group.layout.sharded_axes(State.OPTIM)
     group.comms.gather(piece, sharded, sharded, full, 0)
     return full
@@ -226,8 +226,7 @@ def _write(sharding, source: dict[str, Any]) -> None:
             continue
         for target in targets:
             if hasattr(target, "slot"):  # a main param: its elements of the flattened parameter
-                flat = value.detach().reshape(-1)[target.start : target.stop]
-                target.param.view(-1).copy_(flat)
+                target.write_master(value.detach().reshape(-1)[target.start : target.stop])
             else:
                 target.copy_(value.detach())
     sharding.republish()

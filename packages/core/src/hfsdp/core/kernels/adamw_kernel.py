@@ -28,6 +28,11 @@ lengths, since blocks start at each piece's start) and reduces each block's amax
 each piece's short last block are two launches: a whole block's mask is per row, so its loads can be vectorised
 (the first version, one launch with a per-element mask, ran at 30-37% of the H200's bandwidth).
 
+The master weights may be fp32, or a bf16 weight plus an int16 remainder (`param_remainders`: exact fp32 in
+4 bytes where the bf16 weight is kept anyway): the run then loads both halves, joins them into the fp32 master
+in registers, and stores the new master split the same way (rounded to nearest, ties away from zero), so the
+bf16 weight it writes is the next forward's weight: 4 bytes read and 4 written, as for fp32, and no `out`.
+
 The formula is torch's AdamW (decoupled weight decay, bias-corrected moments):
 
     g = grad * coef;  p *= 1 - lr*wd;  m = beta1*m + (1-beta1)*g;  v = beta2*v + (1-beta2)*g*g
@@ -41,6 +46,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from hfsdp.core.buffers.param_remainders import join_master, write_master
 
 try:  # Triton ships with torch's CUDA wheels; CPU-only installs usually lack it
     import triton
@@ -204,19 +211,29 @@ def adamw_run(
     *,
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     blocks: ScaleBlocks | None = None,
+    remainder: torch.Tensor | None = None,
 ) -> str:
     """Step one run in place: `param` (contiguous fp32), `grad` (fp32 or bf16, read as it is), `exp_avg` and
     `exp_avg_sq` (each fp32, bf16, fp16 or fp8, same length, stored back in their dtype), the gradient first
     multiplied by the one-element fp32 tensor `coef`; `out` (bf16 or fp16, same length) receives the new weights.
     An fp8 moment needs its fp32 `scales` entry (one power of two per block of `blocks`; by default the run is one
     piece). `scalars` may be a row of `device_scalars` (8 fp32 values on the parameter's device): the kernel then reads
-    them there, and nothing is read on the host (capturable). Returns the backend used ("triton" or "torch")."""
+    them there, and nothing is read on the host (capturable). With `remainder` (int16, same length) `param` is the
+    bf16 upper half of the fp32 master and `remainder` its lower half (`param_remainders`): both are updated in place
+    and `out` must be None. Returns the backend used ("triton" or "torch")."""
     n = param.numel()
     if isinstance(scalars, torch.Tensor) and (
         scalars.dtype != torch.float32 or scalars.shape != (8,) or scalars.device != param.device
     ):
         raise ValueError(f"adamw_run: tensor scalars must be 8 fp32 values on {param.device} (a device_scalars row)")
-    if param.dtype != torch.float32 or not param.is_contiguous():
+    if remainder is not None:
+        if param.dtype != torch.bfloat16 or not param.is_contiguous() or out is not None:
+            raise ValueError("adamw_run: with a remainder the parameter run is its contiguous bf16 half, and no out")
+        if remainder.dtype != torch.int16 or remainder.numel() != n or not remainder.is_contiguous():
+            raise ValueError(f"adamw_run: the remainder must be a contiguous int16 tensor of {n} elements")
+        if remainder.device != param.device:
+            raise ValueError(f"adamw_run: the remainder must be on {param.device}")
+    elif param.dtype != torch.float32 or not param.is_contiguous():
         raise ValueError("adamw_run: the parameter run must be a contiguous fp32 tensor")
     checks = (("grad", grad, GRAD_DTYPES), ("exp_avg", exp_avg, KINDS), ("exp_avg_sq", exp_avg_sq, KINDS))
     for name, t, dtypes in checks:
@@ -243,7 +260,11 @@ def adamw_run(
     if n == 0:
         return backend
     if backend == "triton":
-        _triton_run(param, grad, exp_avg, exp_avg_sq, scalars, coef, out, scales, blocks)
+        _triton_run(param, grad, exp_avg, exp_avg_sq, scalars, coef, out, scales, blocks, remainder)
+    elif remainder is not None:  # the fp32 master joined, stepped, and split back
+        master = join_master(param, remainder)
+        _torch_run(master, grad, exp_avg, exp_avg_sq, scalars, coef, None, scales, blocks)
+        write_master(param, remainder, master)
     else:
         _torch_run(param, grad, exp_avg, exp_avg_sq, scalars, coef, out, scales, blocks)
     return backend
@@ -325,8 +346,14 @@ def _kernel_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _triton_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, scales=(None, None), blocks=None):
+def _triton_run(
+    param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, scales=(None, None), blocks=None, remainder=None
+):
     n = param.numel()
+    has_remainder = remainder is not None
+    r_arg = remainder if has_remainder else grad  # a placeholder pointer where the master is fp32
+    if has_remainder:
+        param = param.view(torch.int16)  # the master's upper half, as bits
     bf16 = out is not None and out.dtype == torch.bfloat16
     out_arg = out.view(torch.int16) if bf16 else (out if out is not None else param)
     coef_arg = coef if coef is not None else param
@@ -339,11 +366,14 @@ def _triton_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, sc
         s_arg = param  # a placeholder pointer
     flags = {"HAS_COEF": coef is not None, "HAS_OUT": out is not None, "OUT_BF16": bf16, "M_KIND": m_kind}
     flags["DEVICE_SCALARS"] = on_device
+    flags["REMAINDER"] = has_remainder
     flags.update(V_KIND=v_kind, num_warps=NUM_WARPS, enable_fp_fusion=False)  # one rounding per operation
     m_arg, v_arg = _kernel_view(exp_avg), _kernel_view(exp_avg_sq)
     if m_kind < 3 and v_kind < 3:
         grid = (triton.cdiv(n, BLOCK),)
-        _adamw_kernel[grid](param, grad, m_arg, v_arg, out_arg, coef_arg, s_arg, n, *scalars, BLOCK=BLOCK, **flags)
+        _adamw_kernel[grid](
+            param, r_arg, grad, m_arg, v_arg, out_arg, coef_arg, s_arg, n, *scalars, BLOCK=BLOCK, **flags
+        )
         return
     m_scale = scales[0] if scales[0] is not None else param  # a placeholder pointer where the moment has no scale
     v_scale = scales[1] if scales[1] is not None else param
@@ -353,6 +383,7 @@ def _triton_run(param, grad, exp_avg, exp_avg_sq, s: AdamWScalars, coef, out, sc
             continue
         _adamw_blocks_kernel[(triton.cdiv(table.count, rows),)](
             param,
+            r_arg,
             grad,
             m_arg,
             v_arg,
@@ -386,6 +417,32 @@ if triton is not None:
         bits = x.to(tl.uint32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
         return tl.where(x != x, 0x7FC0, rounded)
+
+    @triton.jit
+    def _load_master(p_ptr, r_ptr, offs, mask, REMAINDER: tl.constexpr):
+        """The fp32 master: loaded, or joined from its bf16 upper half (int16 bits) and int16 remainder
+        (`param_remainders.join_master`)."""
+        if REMAINDER:
+            high = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32)
+            low = tl.load(r_ptr + offs, mask=mask, other=0).to(tl.int32)
+            high = tl.where(low < 0, high - 1, high)
+            return ((high << 16) | (low & 0xFFFF)).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(p_ptr + offs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _store_master(p_ptr, r_ptr, offs, p, mask, REMAINDER: tl.constexpr):
+        """Store the fp32 master, or split it (`param_remainders.split_master`: the upper half rounded to nearest,
+        ties away from zero; a NaN as the canonical bf16 NaN)."""
+        if REMAINDER:
+            bits = p.to(tl.int32, bitcast=True)
+            low = bits & 0xFFFF
+            high = (bits >> 16) + tl.where(low >= 0x8000, 1, 0)
+            high = tl.where(p != p, 0x7FC0, high)
+            tl.store(p_ptr + offs, high.to(tl.int16), mask=mask)
+            tl.store(r_ptr + offs, low.to(tl.int16), mask=mask)
+        else:
+            tl.store(p_ptr + offs, p, mask=mask)
 
     @triton.jit
     def _load_moment(ptr, offs, mask, KIND: tl.constexpr):
@@ -449,6 +506,7 @@ if triton is not None:
     @triton.jit
     def _adamw_kernel(
         p_ptr,
+        r_ptr,
         g_ptr,
         m_ptr,
         v_ptr,
@@ -470,6 +528,7 @@ if triton is not None:
         M_KIND: tl.constexpr,
         V_KIND: tl.constexpr,
         DEVICE_SCALARS: tl.constexpr,
+        REMAINDER: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """Moments in fp32, bf16 or fp16: BLOCK consecutive elements per program. DEVICE_SCALARS: the scalars are
@@ -478,7 +537,7 @@ if triton is not None:
             decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = _load_scalars(s_ptr)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask)
+        p = _load_master(p_ptr, r_ptr, offs, mask, REMAINDER)
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
         m = _load_moment(m_ptr, offs, mask, M_KIND)
         v = _load_moment(v_ptr, offs, mask, V_KIND)
@@ -487,7 +546,7 @@ if triton is not None:
         p, m, v = _adamw_math(
             p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps
         )
-        tl.store(p_ptr + offs, p, mask=mask)
+        _store_master(p_ptr, r_ptr, offs, p, mask, REMAINDER)
         _store_moment(m_ptr, offs, m, mask, M_KIND)
         _store_moment(v_ptr, offs, v, mask, V_KIND)
         if HAS_OUT:
@@ -496,6 +555,7 @@ if triton is not None:
     @triton.jit
     def _adamw_blocks_kernel(
         p_ptr,
+        r_ptr,
         g_ptr,
         m_ptr,
         v_ptr,
@@ -522,6 +582,7 @@ if triton is not None:
         M_KIND: tl.constexpr,
         V_KIND: tl.constexpr,
         DEVICE_SCALARS: tl.constexpr,
+        REMAINDER: tl.constexpr,
         M_MAX: tl.constexpr,
         M_TOP: tl.constexpr,
         V_MAX: tl.constexpr,
@@ -550,7 +611,7 @@ if triton is not None:
         else:
             lens = tl.load(lens_ptr + rows, mask=row_mask, other=0)
             mask = cols[None, :] < lens[:, None]
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        p = _load_master(p_ptr, r_ptr, offs, mask, REMAINDER)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if M_KIND >= 3:
             m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -567,7 +628,7 @@ if triton is not None:
         p, m, v = _adamw_math(
             p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps
         )
-        tl.store(p_ptr + offs, p, mask=mask)
+        _store_master(p_ptr, r_ptr, offs, p, mask, REMAINDER)
         if M_KIND >= 3:
             _store_fp8(m_ptr, ms_ptr, blk, row_mask, offs, m, mask, M_MAX, M_TOP)
         else:

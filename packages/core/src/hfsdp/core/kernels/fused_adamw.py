@@ -45,6 +45,17 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
   frees the gradient buffer: host bookkeeping a replay would not redo), and offloaded groups (stepped on the CPU).
   The clip's global norm stays on the device (an all-reduce, no host read).
 
+- `store_param_remainders` (Megatron's name): keep each stepped group's fp32 main weights as its bf16 parameter shard
+  plus a 16-bit remainder (`buffers/param_remainders.py`), converted when the optimizer is built: exact fp32 masters
+  in 4 bytes per element instead of the fp32 copy beside the bf16 shard (6), which saves 2 bytes per element of the
+  rank's optimizer range where a bf16 shard is kept (HFSDP's outer axis, ZeRO-1/2) and keeps the shard (no cast
+  before a gather or forward) where none was. The kernel joins the halves in registers and splits the new master
+  (the bf16 weight rounded to nearest, ties away from zero): the weights it writes are the next forward's. The
+  model's parameters, outside forward, are then bf16 views; state dicts and checkpoints still hold the fp32 masters
+  (joined), so they load into any run, with or without remainders. Needs bf16 compute
+  (`MixedPrecision(param_dtype=torch.bfloat16)`), every parameter of each group it touches in this optimizer, and no
+  offload, fp8 weights or DiLoCo; any other optimizer is then refused on those parameters at its first step.
+
 Moment dtypes (Megatron's precision-aware optimizer, `exp_avg_dtype`, `exp_avg_sq_dtype`: torch.float32 by default,
 torch.bfloat16, torch.float16, or fp8; Megatron's names "fp32", "bf16", "fp16", "fp8" work too, through
 `optimizer_dtypes.parse_state_dtype`). The kernel loads each moment in its dtype, upcasts it in registers (exactly),
@@ -124,6 +135,7 @@ from hfsdp.core.kernels.adamw_kernel import (
 )
 from hfsdp.core.kernels.capturable import CapturableSteps, device_step, prepare_params, refuse_offloaded
 from hfsdp.core.kernels.optimizer_dtypes import state_dtype
+from hfsdp.core.kernels.remainder_groups import keep_remainders
 
 BACKENDS = ("auto", "triton", "torch")
 #: The per-element state FusedAdamW keeps, and the keys under which a state dict carries fp8 moments' scales.
@@ -185,6 +197,8 @@ class FusedAdamW(torch.optim.AdamW):
     loads_scaled_state = True
     #: Read a bf16 reduced gradient from the group's buffer (False: from the fp32 copies the engine would make).
     _direct_grads = True
+    #: Steps masters kept as a bf16 weight plus a remainder (the engine refuses other optimizers on them).
+    steps_param_remainders = True
 
     def __init__(
         self,
@@ -201,6 +215,7 @@ class FusedAdamW(torch.optim.AdamW):
         exp_avg_dtype: torch.dtype | str = torch.float32,
         exp_avg_sq_dtype: torch.dtype | str = torch.float32,
         capturable: bool = False,
+        store_param_remainders: bool = False,
     ):
         problems = _check_arguments(lr, betas, eps, weight_decay, max_grad_norm, prestage_gathers, backend, capturable)
         dtypes = []
@@ -222,6 +237,8 @@ class FusedAdamW(torch.optim.AdamW):
                 "step allocates the next forward's gather input and frees the gradient buffer, host bookkeeping "
                 "that a replayed CUDA graph would not redo"
             )
+        if not isinstance(store_param_remainders, bool):
+            problems.append(f"store_param_remainders must be True or False, got {store_param_remainders!r}")
         if problems:
             raise ValueError("FusedAdamW: " + "; ".join(problems) + ".")
         super().__init__(
@@ -250,6 +267,9 @@ class FusedAdamW(torch.optim.AdamW):
             for param in options["params"]:
                 if (piece := piece_of(param)) is not None and self._direct_grads:
                     piece.grad_reader = weakref.ref(self)  # the engine makes no fp32 copy of a bf16 gradient
+        self.store_param_remainders = store_param_remainders
+        if store_param_remainders:
+            keep_remainders(self)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -499,7 +519,7 @@ class FusedAdamW(torch.optim.AdamW):
                 blocks = moments.run_blocks(run, group.main.device)
                 count = 0 if blocks is None else blocks.count
                 used = adamw_run(
-                    group.main[lo:hi],
+                    group.main[lo:hi],  # the fp32 masters, or their bf16 halves with `remainder`
                     grad,
                     exp_avg[lo:hi],
                     exp_avg_sq[lo:hi],
@@ -509,6 +529,7 @@ class FusedAdamW(torch.optim.AdamW):
                     self.backend,
                     scales=(moments.scale(0, lo, count), moments.scale(1, lo, count)),
                     blocks=blocks,
+                    remainder=None if group.remainder is None else group.remainder[lo:hi],
                 )
                 self.backends_used.add(used)
             if out is not None:
@@ -597,7 +618,8 @@ def _reads_buffer(piece: MainParam, optimizer) -> bool:
     """Whether `optimizer` steps `piece` from its group's reduced gradient in the reduce dtype (no `.grad` copy)."""
     grads = piece.group.grads
     mine = piece.grad_reader is not None and piece.grad_reader() is optimizer
-    return mine and grads.reduce_dtype != torch.float32 and grads.holds and not piece.group.offload
+    needed = grads.reduce_dtype != torch.float32 or piece.group.remainder is not None  # bf16 params take no fp32 .grad
+    return mine and needed and grads.holds and not piece.group.offload
 
 
 def _runs(members, state, moments: _Moments, main_grad, capturable=None) -> list[_Run]:
