@@ -5,7 +5,8 @@ FusedAdamW end to end on a small sharded model.
     python bench/gpu_adamw_dtypes.py --out X.json --device cpu --backends torch,torch --quick --numel 65536
 
 1. Bits. For every moment option (exp_avg/exp_avg_sq: fp32/fp32, bf16/bf16, fp16/fp16, bf16/fp8, fp8/fp8,
-   fp8/bf16), gradient dtype (fp32, bf16) and variant (plain; clip coefficient and bf16 `out`; fp16 `out`), a run of
+   fp8/bf16), gradient dtype (fp32, bf16) and variant (plain; clip coefficient and bf16 `out`; fp16 `out`; clipped,
+   the masters as a bf16 half plus an int16 remainder, `store_param_remainders`, compared joined too), a run of
    several pieces (lengths no multiple of 128 or of the kernel's 4096, one piece of a single element, one that never
    gets a gradient, so the fp8 blocks restart at each piece's start as `FusedAdamW` cuts them) is stepped by
    `adamw_run` with the first backend (default "triton") and the second ("torch") from the same inputs, step after
@@ -21,7 +22,8 @@ FusedAdamW end to end on a small sharded model.
 3. FusedAdamW. One process (NCCL on CUDA, gloo on the CPU), `hfsdp.core.fully_shard` of a small MLP with bf16
    compute weights, clipped by `max_grad_norm`, `prestage_gathers` (the step writes the bf16 gather input): a
    FusedAdamW on each backend from the same model, fp32 and bf16 reduced gradients (bf16 is read from the buffer),
-   three steps: the same losses, weights and checkpoint state (moments, fp8 scales) bit for bit.
+   three steps: the same losses, weights and checkpoint state (moments, fp8 scales) bit for bit; and each option
+   once more with bf16 reduction and `store_param_remainders=True` (the fp32 masters joined from the two halves).
 
 Everything lands in the JSON at `--out`; the exit status is 1 if any check failed (every part still runs).
 With Triton, the PTX of each compiled kernel is summarised too (flush-to-zero and fused multiply-add instructions,
@@ -49,6 +51,7 @@ try:
 except ImportError:  # a checkout with no install: its sources
     sys.path[:0] = [os.path.join(ROOT, "packages", p, "src") for p in ("core", "ckpt", "cli")]
 
+from hfsdp.core.buffers.param_remainders import join_master, split_master  # noqa: E402
 from hfsdp.core.kernels import adamw_kernel  # noqa: E402
 from hfsdp.core.kernels.adamw_kernel import (  # noqa: E402
     SCALE_BLOCK,
@@ -70,8 +73,9 @@ OPTIONS = {
     "fp8/bf16": (E4, BF16),
 }
 GRADS = {"fp32": F32, "bf16": BF16}
-#: (clip coefficient, out dtype) of each variant.
-VARIANTS = {"plain": (False, None), "clip+bf16out": (True, BF16), "fp16out": (False, F16)}
+#: (clip coefficient, out dtype) of each variant; "remainders": clipped, the masters as a bf16 weight plus an int16
+#: remainder (`store_param_remainders`), compared as the joined fp32 master and both halves.
+VARIANTS = {"plain": (False, None), "clip+bf16out": (True, BF16), "fp16out": (False, F16), "remainders": (True, None)}
 #: Bytes per element `fused_adamw`'s docstring states (fp32 gradient, bf16 gradient), with the bf16 `out`.
 DOCSTRING_BYTES = {
     "fp32/fp32": (30, 28),
@@ -172,9 +176,12 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
 class State:
     """One backend's copy of a run's state: weights, moments (their dtypes), fp8 scales, the `out` weights."""
 
-    def __init__(self, p, m_dtype, v_dtype, blocks, out_dtype):
+    def __init__(self, p, m_dtype, v_dtype, blocks, out_dtype, remainders=False):
         n = p.numel()
         self.p = p.clone()
+        self.remainder = None
+        if remainders:  # the master as its bf16 half (stepped in place) and its low 16 bits
+            self.p, self.remainder = split_master(self.p)
         self.m = torch.zeros(n, dtype=m_dtype, device=p.device)
         self.v = torch.zeros(n, dtype=v_dtype, device=p.device)
         self.scales = tuple(
@@ -195,10 +202,13 @@ class State:
             backend,
             scales=self.scales,
             blocks=self.blocks,
+            remainder=self.remainder,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"param": self.p, "exp_avg": self.m, "exp_avg_sq": self.v}
+        if self.remainder is not None:
+            named.update(master=join_master(self.p, self.remainder), remainder=self.remainder)
         for key, scale in zip(("exp_avg_scale", "exp_avg_sq_scale"), self.scales, strict=True):
             if scale is not None:
                 named[key] = scale
@@ -241,11 +251,8 @@ def bit_case(device, backends, option, grad_name, variant, run_name, lengths, pr
     coefs = [torch.tensor([0.25 + 0.7 * torch.rand((), generator=gen).item()], device=device) for _ in range(steps)]
     blocks = ScaleBlocks(lengths, device)
     first, second = backends
-    states = {
-        "a": State(p0, m_dtype, v_dtype, blocks, out_dtype),
-        "b": State(p0, m_dtype, v_dtype, blocks, out_dtype),
-        "again": State(p0, m_dtype, v_dtype, blocks, out_dtype),
-    }
+    split = variant == "remainders"
+    states = {key: State(p0, m_dtype, v_dtype, blocks, out_dtype, split) for key in ("a", "b", "again")}
     runs = {"a": first, "b": second, "again": first}
     record = {"mismatch": {}, "nondeterministic": {}, "used": set()}
     for step in range(steps):
@@ -404,7 +411,7 @@ class _Net(torch.nn.Module):
         return ((self.head(h).squeeze(-1).float() - y) ** 2).mean()
 
 
-def _fused_run(device, backend: str, option: str, reduce_dtype, steps: int):
+def _fused_run(device, backend: str, option: str, reduce_dtype, steps: int, remainders: bool = False):
     from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard, sharding_of
     from hfsdp.core.kernels.fused_adamw import FusedAdamW
 
@@ -425,6 +432,7 @@ def _fused_run(device, backend: str, option: str, reduce_dtype, steps: int):
         backend=backend,
         exp_avg_dtype=m_dtype,
         exp_avg_sq_dtype=v_dtype,
+        store_param_remainders=remainders,
     )
     gen = torch.Generator().manual_seed(11)
     losses = []
@@ -439,7 +447,7 @@ def _fused_run(device, backend: str, option: str, reduce_dtype, steps: int):
     model.wait_for_weights()
     named = {}
     for piece in sharding_of(model).main_params:
-        named[f"{piece.name}"] = piece.param.detach().clone()
+        named[f"{piece.name}"] = piece.master().detach().clone()  # the fp32 master (joined with remainders)
         for key, value in opt.checkpoint_state(piece.param).items():
             if isinstance(value, torch.Tensor) and value.dim():
                 named[f"{piece.name}.{key}"] = value.detach().clone()
@@ -456,34 +464,35 @@ def fused_checks(device, backends, steps: int, options) -> list[dict]:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
     rows = []
     try:
-        for option in options:
-            for reduce_name, reduce_dtype in (("fp32", F32), ("bf16", BF16)):
-                name = f"FusedAdamW {option} reduce={reduce_name}"
-                try:
-                    la, a, used_a = _fused_run(device, backends[0], option, reduce_dtype, steps)
-                    lb, b, used_b = _fused_run(device, backends[1], option, reduce_dtype, steps)
-                except Exception as err:
-                    crashed("fused", name, err)
-                    rows.append({"case": name, "error": traceback.format_exc()})
-                    continue
-                diffs = {}
-                for key in sorted(set(a) | set(b)):
-                    if key not in a or key not in b:
-                        diffs[key] = {"count": -1, "why": "missing on one backend"}
-                    elif (diff := first_difference(a[key], b[key])) is not None:
-                        diffs[key] = diff
-                ok = not diffs and la == lb and used_a == [backends[0]] and used_b == [backends[1]]
-                row = {"case": name, "losses": [la, lb], "backends_used": [used_a, used_b], "mismatch": diffs}
-                row["tensors"] = len(a)
-                rows.append(row)
-                check(
-                    "fused",
-                    f"{name}: {backends[0]} == {backends[1]}",
-                    ok,
-                    **diffs,
-                    losses=[la, lb],
-                    used=[used_a, used_b],
-                )
+        cases = [(o, r, False) for o in options for r in ("fp32", "bf16")] + [(o, "bf16", True) for o in options]
+        for option, reduce_name, remainders in cases:
+            reduce_dtype = {"fp32": F32, "bf16": BF16}[reduce_name]
+            name = f"FusedAdamW {option} reduce={reduce_name}" + (" store_param_remainders" if remainders else "")
+            try:
+                la, a, used_a = _fused_run(device, backends[0], option, reduce_dtype, steps, remainders)
+                lb, b, used_b = _fused_run(device, backends[1], option, reduce_dtype, steps, remainders)
+            except Exception as err:
+                crashed("fused", name, err)
+                rows.append({"case": name, "error": traceback.format_exc()})
+                continue
+            diffs = {}
+            for key in sorted(set(a) | set(b)):
+                if key not in a or key not in b:
+                    diffs[key] = {"count": -1, "why": "missing on one backend"}
+                elif (diff := first_difference(a[key], b[key])) is not None:
+                    diffs[key] = diff
+            ok = not diffs and la == lb and used_a == [backends[0]] and used_b == [backends[1]]
+            row = {"case": name, "losses": [la, lb], "backends_used": [used_a, used_b], "mismatch": diffs}
+            row["tensors"] = len(a)
+            rows.append(row)
+            check(
+                "fused",
+                f"{name}: {backends[0]} == {backends[1]}",
+                ok,
+                **diffs,
+                losses=[la, lb],
+                used=[used_a, used_b],
+            )
     finally:
         if own:
             dist.destroy_process_group()

@@ -18,7 +18,8 @@ import gpu_adamw_dtypes as script  # noqa: E402
 
 def test_the_script_runs_every_part_on_the_cpu(tmp_path):
     """Two options that between them take both kernels' paths (a bf16 and an fp8 moment of each kind), every
-    gradient dtype and variant, the timing loop and FusedAdamW on one gloo rank: all pass, all land in the JSON."""
+    gradient dtype and variant (the masters as a bf16 half and a remainder among them), the timing loop and
+    FusedAdamW on one gloo rank: all pass, all land in the JSON."""
     out = tmp_path / "adamw.json"
     cmd = [sys.executable, "-W", "ignore", "bench/gpu_adamw_dtypes.py", "--out", str(out), "--device", "cpu"]
     cmd += ["--backends", "torch,torch", "--options", "bf16/fp8,fp8/bf16", "--quick", "--steps", "2"]
@@ -28,7 +29,9 @@ def test_the_script_runs_every_part_on_the_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["failed"] == 0 and report["passed"] > 0
     cases = {c["case"] for c in report["bit_cases"]}
-    assert len(cases) == 2 * 2 * 3 + 2  # options x gradients x variants, and the wide profile per option
+    assert len(cases) == 2 * 2 * 4 + 2  # options x gradients x variants, and the wide profile per option
+    split = next(c for c in report["bit_cases"] if c["case"].startswith("bf16/fp8 grad=bf16 remainders"))
+    assert not split["mismatch"] and split["finite"]  # the masters as a bf16 half and a remainder
     fp8_case = next(c for c in report["bit_cases"] if c["case"].startswith("fp8/bf16 grad=bf16 clip+bf16out"))
     assert fp8_case["used"] == ["torch"] and fp8_case["nonzero_moment_share"]["exp_avg"] > 0.5
     timed = [r for r in report["timing"] if "option" in r]
@@ -38,7 +41,7 @@ def test_the_script_runs_every_part_on_the_cpu(tmp_path):
     assert all(r["TBps"] > 0 and r["median_s"] > 0 for r in timed)
     assert [r["case"] for r in report["fused"]] == [
         f"FusedAdamW {o} reduce={r}" for o in ("bf16/fp8", "fp8/bf16") for r in ("fp32", "bf16")
-    ]
+    ] + [f"FusedAdamW {o} reduce=bf16 store_param_remainders" for o in ("bf16/fp8", "fp8/bf16")]
     assert "1 passed" not in done.stdout and done.stdout.strip().endswith(f"JSON: {out}")
 
 
