@@ -37,6 +37,9 @@ STYLES = ("eager", "module", "fullgraph", "wrapper", "forward", "cli", "model")
 #: fp8t case build the engine under `single_rank_collectives()`: on one GPU (where no axis has a second rank) the
 #: gathers and reductions a larger mesh runs are then issued as copies, on the same streams at the same points, so
 #: their stream ordering is checked there too (above all the fp8 gather: quantize after the step, then gather).
+#: `_rem`: FusedAdamW(store_param_remainders=True), the fp32 masters kept as the bf16 weights plus a 16-bit
+#: remainder (under `single_rank_collectives()` too: the gather then reads the kept bf16 shard, no cast); its
+#: reference steps fp32 masters and rounds them to bf16 as the split does (ties away from zero).
 OPTIONS = (
     "",
     "offload",
@@ -50,6 +53,7 @@ OPTIONS = (
     "fp8r",
     "fp8t_fused_clip_prestage_overlap",
     "comms",
+    "fused_clip_prestage_rem",
 )
 FP8_OPTIONS = {"fp8t": ("hybrid", "tensorwise"), "fp8r": ("e4m3", "rowwise")}
 
@@ -68,7 +72,7 @@ def optimizer_of(option: str) -> str:
 
 def plans_single_rank_collectives(option: str) -> bool:
     """Whether hfsdp is built under `single_rank_collectives()` (see OPTIONS)."""
-    return option == "comms" or fp8_of(option) == "fp8t"
+    return option == "comms" or fp8_of(option) == "fp8t" or keeps_remainders(option)
 
 
 def convert_fp8(model, option: str):
@@ -89,6 +93,20 @@ PRECISION_SUFFIXES = ("_bf16m_bf16g", "_fp8m_bf16g")
 def precision_of(option: str) -> str:
     """The precision-aware suffix of an option ("" for fp32 state and gradients)."""
     return next((s for s in PRECISION_SUFFIXES if option.endswith(s)), "")
+
+
+def keeps_remainders(option: str) -> bool:
+    """Whether the option keeps the masters as bf16 weights plus remainders (`_rem`)."""
+    return option.endswith("_rem")
+
+
+def to_bf16(master: torch.Tensor, remainders: bool) -> torch.Tensor:
+    """The bf16 weights of fp32 masters: torch's cast (ties to even), or the remainder split's (ties away)."""
+    if not remainders:
+        return master.to(torch.bfloat16)
+    from hfsdp.core.buffers.param_remainders import split_master
+
+    return split_master(master.float())[0]
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,7 @@ class Case:
         ones) and the same optimizer kernel; offload and recompute change neither."""
         optimizer = optimizer_of(self.option)
         fused = "fused" + precision_of(optimizer) if optimizer.startswith("fused") else ""
+        fused += "_rem" if keeps_remainders(optimizer) else ""
         return Case("reference", self.kernels, "_".join(x for x in (fp8_of(self.option), fused) if x)).name
 
 
@@ -236,7 +255,8 @@ def _weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _adamw(params, shape: Shape, option: str, sanitizer: bool):
+def _adamw(params, shape: Shape, option: str, sanitizer: bool, engine: bool = False):
+    """The case's optimizer (`engine`: over hfsdp's parameters, where remainders are kept if the option says)."""
     option = optimizer_of(option)
     if option.startswith("fused"):
         from hfsdp.core import FusedAdamW
@@ -248,7 +268,8 @@ def _adamw(params, shape: Shape, option: str, sanitizer: bool):
         moments = "fp8" if "_fp8m" in option else "bf16" if "_bf16m" in option else "fp32"
         return FusedAdamW(params, lr=shape.lr, weight_decay=0.1, max_grad_norm=clip, prestage_gathers=prestage,
                           overlap_next_forward=option.endswith("_overlap"), backend=backend,
-                          exp_avg_dtype=moments, exp_avg_sq_dtype=moments)  # fmt: skip
+                          exp_avg_dtype=moments, exp_avg_sq_dtype=moments,
+                          store_param_remainders=engine and keeps_remainders(option))  # fmt: skip
     return torch.optim.AdamW(params, lr=shape.lr, weight_decay=0.1, fused=True)
 
 
@@ -257,12 +278,13 @@ class Reference:
 
     def __init__(self, case: Case, shape: Shape, device, sanitizer: bool):
         self.shape, self.bf16_grads = shape, case.option.endswith("_bf16g")
+        self.remainders = keeps_remainders(case.option)
         fp32 = build_llama(shape, device)
         self.masters = {n: p.detach().clone() for n, p in fp32.named_parameters()}
         self.model = copy.deepcopy(fp32)
         del fp32
         for p in self.model.parameters():  # the parameters only: buffers (RoPE's inv_freq) stay fp32, as in hfsdp
-            p.data = p.data.to(torch.bfloat16)
+            p.data = to_bf16(p.data, self.remainders)
         convert_fp8(self.model, case.option)
         compile_units(self.model, case.style)
         if case.style == "model":
@@ -290,7 +312,7 @@ class Reference:
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(self.masters[n])
+                p.copy_(to_bf16(self.masters[n], self.remainders))
         return total / len(microbatches)
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -379,7 +401,7 @@ class Hfsdp:
             )
         if case.style == "model":
             self.model.compile()
-        self.opt = _adamw(self.model.parameters(), shape, case.option, sanitizer)
+        self.opt = _adamw(self.model.parameters(), shape, case.option, sanitizer, engine=True)
 
     def step(self, microbatches) -> torch.Tensor:
         total = None
@@ -397,7 +419,9 @@ class Hfsdp:
     def weights(self) -> dict[str, torch.Tensor] | None:
         self.model.wait_for_weights()  # read outside forward right after a step (an overlapped one may be running)
         if dist.get_world_size() == 1:  # one rank: the main params are whole (on the host with offload)
-            return {n: p.detach() for n, p in self.model.named_parameters()}
+            from hfsdp.core.buffers.main_params import piece_of
+
+            return {n: piece_of(p).master() for n, p in self.model.named_parameters()}  # fp32 (joined: remainders)
         full = self.model.state_dict()  # collective; whole on rank 0, on the CPU
         return {n: t.float() for n, t in full.items()} if dist.get_rank() == 0 else None
 
