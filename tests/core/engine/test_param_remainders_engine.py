@@ -6,7 +6,9 @@ masters hold an exact tie: there the bf16 weights differ by design (rounded away
 and the runs part. Its model-state bytes are the fp32 run's less 2 per element of each optimizer piece that sits
 beside a kept bf16 shard. Checkpoints hold the joined fp32 masters: a resume continues bit for bit, through
 hfsdp.ckpt and DCP alike; a checkpoint moves between runs with and without remainders exactly, and loads on 2x2.
-Other optimizers are refused on such masters, and so are layouts the option cannot serve.
+torch's clip over the (now bf16) parameters, the model's clip and a capturable step give the same masters.
+Other optimizers are refused on such masters, and so is what the option cannot serve (fp32 compute, part of a
+group, offload, DiLoCo), once per kind of problem.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ LAYOUTS = {
 STEPS, MICRO, LR, WD = 5, 2, 3e-3, 0.1
 
 
-def _model(world: int, layout: tuple, seed: int = 0, remainders: bool = True, dtype=torch.bfloat16):
+def _model(world: int, layout: tuple, seed: int = 0, remainders: bool = True, dtype=torch.bfloat16, **options):
     from hfsdp.core import FusedAdamW, LayoutConfig, MixedPrecision, build_meshes, fully_shard
 
     inner, outer, instances = layout
     cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
     model = make_toy(seed)
     mp = MixedPrecision(param_dtype=dtype)
-    sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp)
+    sharded = fully_shard(model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, **options)
     opt = FusedAdamW(
         sharded.parameters(),
         lr=LR,
@@ -156,7 +158,7 @@ def _pieces(model):
 
 def _refusals(rank: int, world: int) -> dict:
     """What is refused, each at once, with its message."""
-    from hfsdp.core import FusedAdamW
+    from hfsdp.core import DiLoCoConfig, FusedAdamW
 
     layout = LAYOUTS["HFSDP 2x3"]
     out = {}
@@ -168,11 +170,19 @@ def _refusals(rank: int, world: int) -> dict:
         out["torch AdamW"] = "stepped"
     except TypeError as err:
         out["torch AdamW"] = str(err)
-    fp32_compute, _ = _model(world, layout, remainders=False, dtype=None)
+    diloco = ("optim_grads_params", "diloco", 2)
+    models = {  # held here: a main param knows its model only while the model lives
+        "fp32 compute": _model(world, layout, remainders=False, dtype=None)[0],
+        "a subset": _model(world, layout, remainders=False)[0],
+        "offload": _model(world, layout, remainders=False, offload=True)[0],
+        "DiLoCo": _model(world, diloco, remainders=False, diloco=DiLoCoConfig(sync_every=2))[0],
+    }
     for what, params in (
-        ("fp32 compute", list(fp32_compute.parameters())),
-        ("a subset", list(_model(world, layout, remainders=False)[0].layers[0].parameters())[:1]),
+        ("fp32 compute", list(models["fp32 compute"].parameters())),
+        ("a subset", list(models["a subset"].layers[0].parameters())[:1]),
         ("no sharded parameter", [torch.nn.Parameter(torch.zeros(3))]),
+        ("offload", list(models["offload"].parameters())),
+        ("DiLoCo", list(models["DiLoCo"].parameters())),
     ):
         try:
             FusedAdamW(params, store_param_remainders=True)
@@ -182,8 +192,40 @@ def _refusals(rank: int, world: int) -> dict:
     return out
 
 
+def _doors(rank: int, world: int) -> dict:
+    """HFSDP 2x3, three steps each way: clipping with torch's clip over the parameters, the model's clip_grad_norm_
+    or FusedAdamW's max_grad_norm; and a capturable FusedAdamW (the masters after each, to compare)."""
+    from hfsdp.core import FusedAdamW
+
+    layout = LAYOUTS["HFSDP 2x3"]
+    out = {}
+    for how in ("max_grad_norm", "torch clip", "model clip", "capturable"):
+        model, _ = _model(world, layout, remainders=False)
+        clip = 0.05 if how in ("max_grad_norm", "capturable") else None
+        opt = FusedAdamW(
+            model.parameters(),
+            lr=LR,
+            weight_decay=WD,
+            max_grad_norm=clip,
+            backend="torch",
+            store_param_remainders=True,
+            capturable=how == "capturable",
+        )
+        for step in range(3):
+            accumulated_loss(model, step, MICRO, rank, world)
+            if how == "torch clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            elif how == "model clip":
+                model.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+        out[how] = _masters(model)
+    return out
+
+
 def _six(rank: int, world: int, root: str) -> dict:
     out = {name: _side_by_side(rank, world, layout) for name, layout in LAYOUTS.items()}
+    out["doors"] = _doors(rank, world)
     out["checkpoints"] = _checkpoints(rank, world, root)
     out["refusals"] = _refusals(rank, world)
     return out
@@ -265,3 +307,13 @@ def test_another_optimizer_and_what_the_option_cannot_serve_are_refused(six):
         assert "computes in torch.float32" in said["fp32 compute"] and "MixedPrecision" in said["fp32 compute"]
         assert "is not in this optimizer" in said["a subset"]
         assert "steps no parameter" in said["no sharded parameter"]
+        assert "cannot be combined with offload ('inp.weight'" in said["offload"] and said["offload"].count(";") == 0
+        assert "not supported with DiLoCo" in said["DiLoCo"]
+
+
+@pytest.mark.parametrize("how", ["torch clip", "model clip", "capturable"])
+def test_torchs_clip_the_models_clip_and_a_capturable_step_give_the_same_masters(six, how):
+    """The main params take no fp32 `.grad` (they are bf16): torch's clip over them and the model's still see the
+    global norm, and a capturable FusedAdamW steps the same bits as FusedAdamW(max_grad_norm=...)."""
+    for rank in six[0]:
+        assert _bits_equal(rank["doors"][how], rank["doors"]["max_grad_norm"])

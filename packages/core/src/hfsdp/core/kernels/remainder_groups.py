@@ -26,12 +26,14 @@ def keep_remainders(optimizer) -> None:
             "store_param_remainders=True keeps an hfsdp-sharded model's fp32 main weights as a bf16 shard plus a "
             "remainder, but this optimizer steps no parameter of one (pass sharded_model.parameters())"
         )
+    found: dict[str, str] = {}  # one message per kind of problem, naming the first parameter it concerns
     for group in groups.values():
         problem = _problem(group, held)
         if problem is not None:
-            problems.append(problem)
+            found.setdefault(*problem)
+    problems += found.values()
     if problems:
-        raise ValueError("FusedAdamW: " + "; ".join(dict.fromkeys(problems)) + ".")
+        raise ValueError("FusedAdamW: " + "; ".join(problems) + ".")
     owners = {id(o): o for g in groups.values() if (o := g.owner()) is not None}
     ordered = [g for o in owners.values() for g in o.groups if id(g) in groups]
     ordered += [g for g in groups.values() if not any(g is h for h in ordered)]
@@ -39,32 +41,33 @@ def keep_remainders(optimizer) -> None:
         group.store_param_remainders()
 
 
-def _problem(group, held: set[int]) -> str | None:
+def _problem(group, held: set[int]) -> tuple[str, str] | None:
+    """(kind, message) of what keeps `group` from being converted, or None."""
     name = group.main_params[0].name
     owner = group.owner()
     if group.remainder is not None:
         return None  # converted already (an optimizer built again): the remainder is the group's
     if group.compute_dtype != torch.bfloat16 or group.main_dtype != torch.float32:
-        return (
+        return "dtype", (
             f"store_param_remainders=True completes a bf16 weight to its fp32 master, but '{name}' computes in "
             f"{group.compute_dtype}: shard the model with MixedPrecision(param_dtype=torch.bfloat16), or leave "
             "store_param_remainders off"
         )
     if group.offload:
-        return (
+        return "offload", (
             f"store_param_remainders=True cannot be combined with offload ('{name}' keeps its main weights in host "
             "memory): offloading moves them off the GPU already"
         )
     if group.fp8 is not None:
-        return f"store_param_remainders=True is not supported for fp8 weights yet ('{name}' is gathered in fp8)"
+        return "fp8", f"store_param_remainders=True is not supported for fp8 weights yet ('{name}' is gathered in fp8)"
     if owner is not None and owner.outer is not None:
-        return (
+        return "diloco", (
             "store_param_remainders=True is not supported with DiLoCo (its outer step reads and writes the fp32 main "
             "weights directly)"
         )
     missing = next((p for p in group.main_params if id(p) not in held), None)
     if missing is not None:
-        return (
+        return "subset", (
             f"store_param_remainders=True converts whole groups of parameters, and '{missing.name}' (in the same "
             f"group as '{name}') is not in this optimizer: another optimizer would then step its bf16 half alone. "
             "Give this optimizer every parameter of the model (sharded_model.parameters()), or leave "
