@@ -92,6 +92,9 @@ and the block table, about 8 bytes per 128 elements):
     fp8 / bf16             20.125          18.125
     fp8 / fp8              18.19           16.19
 
+With `store_param_remainders` the master is read and written as its two 16-bit halves (the fp32 weights' 8 bytes)
+and the bf16 half is the compute weight, so no `out` is written: 2 bytes less in every row.
+
 State dicts hold each moment in its dtype; an fp8 moment adds `<moment>_scale` (uint8 per element, E8M0: its block's
 scale is 2**(byte - 127)), per-element state that hfsdp's checkpoints cut and reshard like the moment itself (so an
 fp8 moment takes 2 bytes per element in a checkpoint). `load_state_dict` converts once into this optimizer's dtypes:
