@@ -4,8 +4,8 @@ On HFSDP 2x3 and 3x2, HSDP 3x2, ZeRO-2 and DDP over 6 ranks, a run whose masters
 a remainder takes the fp32-master run's steps bit for bit (losses and every master) up to the first step whose
 masters hold an exact tie: there the bf16 weights differ by design (rounded away from zero, torch's cast to even)
 and the runs part. Its model-state bytes are the fp32 run's less 2 per element of each optimizer piece that sits
-beside a kept bf16 shard. Checkpoints hold the joined fp32 masters: a resume continues bit for bit, through
-hfsdp.ckpt and DCP alike; a checkpoint moves between runs with and without remainders exactly, and loads on 2x2.
+beside a kept bf16 shard. Checkpoints and full state dicts hold the joined fp32 masters: a resume continues bit for bit,
+through hfsdp.ckpt and DCP alike; a checkpoint moves between runs with and without remainders exactly, and loads on 2x2.
 torch's clip over the (now bf16) parameters, the model's clip and a capturable step give the same masters.
 Other optimizers are refused on such masters, and so is what the option cannot serve (fp32 compute, part of a
 group, offload, DiLoCo), once per kind of problem.
@@ -106,6 +106,7 @@ def _checkpoints(rank: int, world: int, root: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from hfsdp.ckpt import load_checkpoint, save_checkpoint
+    from hfsdp.core import sharding_of
 
     layout = LAYOUTS["HFSDP 2x3"]
     out = {}
@@ -137,6 +138,11 @@ def _checkpoints(rank: int, world: int, root: str) -> dict:
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     out["dcp loaded"] = _bits_equal(_masters(fresh), saved)
     out["dcp resumed"] = (_steps(fresh, fresh_opt, rank, world, 2, 2), _masters(fresh))
+
+    whole, _ = _model(world, layout, seed=7)
+    whole.load_state_dict(full)  # rank 0's full state dict (the others' are empty): broadcast, then split
+    out["full loaded"] = _bits_equal(_masters(whole), saved)
+    out["sharded buffers"] = all(v["main"].dtype == torch.float32 for v in sharding_of(whole).sharded_buffers())
 
     plain, plain_opt = _model(world, layout, seed=7, remainders=False)
     load_checkpoint(f"{root}/split", plain, plain_opt)
@@ -283,7 +289,7 @@ def test_checkpoints_and_state_dicts_hold_the_joined_fp32_masters(six):
     assert six[0][0]["checkpoints"]["full"]
     for rank in six[0]:
         ckpt = rank["checkpoints"]
-        assert ckpt["ckpt loaded"] and ckpt["dcp loaded"]
+        assert ckpt["ckpt loaded"] and ckpt["dcp loaded"] and ckpt["full loaded"] and ckpt["sharded buffers"]
         assert ckpt["into fp32 masters"] and ckpt["from fp32 masters"]
 
 

@@ -435,7 +435,7 @@ class Sharding:
                 {
                     "param": flat_dtensor(group.compute_shard(), group, State.PARAM),
                     "grad": grad,
-                    "main": flat_dtensor(group.main, group, State.OPTIM),
+                    "main": flat_dtensor(group.master_weights(), group, State.OPTIM),  # fp32, joined if split
                 }
             )
         return out
