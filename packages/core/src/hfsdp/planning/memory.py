@@ -5,10 +5,12 @@ What each group holds on the device (c = bytes of the compute dtype, b_g of the 
 Megatron's `main_grads_dtype` bf16; b_m, b_v of AdamW's moments, `moment_bytes`):
 
 - parameters: the compute-dtype shard (`param_len · c`) where one is kept: with fp32 compute
-  (it then holds the main weights), with `offload`, or where parameters are sharded less than
-  the optimizer (s_p ≠ s_o); elsewhere every gather casts the main weights instead;
+  (it then holds the main weights), with `offload`, where parameters are sharded less than
+  the optimizer (s_p ≠ s_o), or with `store_param_remainders` (it then holds the main weights'
+  upper halves); elsewhere every gather casts the main weights instead;
 - optimizer state: the fp32 main weights of the optimizer piece where they are a buffer of
-  their own (`optim_len · 4`), and AdamW's two moments for its real elements (`(b_m + b_v) · optim_real`:
+  their own (`optim_len · 4`), or with `store_param_remainders` their 16-bit remainders beside
+  the bf16 shard (`optim_len · 2`), and AdamW's two moments for its real elements (`(b_m + b_v) · optim_real`:
   4 bytes each in fp32, 2 in bf16 or fp16, 1 in fp8 plus FusedAdamW's fp32 scale per block of 128, 4·⌈n/128⌉);
   with `offload` all of it is in host memory, with a host copy of the reduced gradient (fp32 whatever b_g);
 - gradients: the buffer kept between microbatches (`grad_len · b_g`), alive from a step's first
@@ -73,6 +75,9 @@ class Settings:
     reduce_bytes: int = REDUCE_BYTES  # the gradients' reduce dtype: 4 (fp32) or 2 (main_grads_dtype bf16)
     moment_dtypes: tuple[str, str] = ("fp32", "fp32")  # exp_avg's and exp_avg_sq's dtypes, by Megatron's names
     fp8_param_gather: bool = False  # the units' fp8 Linear weights in groups of their own, gathered in fp8
+    #: Megatron's store_param_remainders (bf16 compute, no offload): every group keeps its bf16 parameter shard, and
+    #: the fp32 main weights are that shard plus a 16-bit remainder over the optimizer piece.
+    store_param_remainders: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,31 +109,34 @@ class Memory:
         }
 
 
-def keeps_shard(group: Group, c: int, offload: bool) -> bool:
-    """Whether `FlatParamGroup` keeps a compute-dtype parameter shard (else gathers cast the main weights)."""
-    return c == 4 or offload or group.param_len != group.optim_len
+def keeps_shard(group: Group, c: int, offload: bool, remainders: bool = False) -> bool:
+    """Whether `FlatParamGroup` keeps a compute-dtype parameter shard (else gathers cast the main weights); with
+    `remainders` (`store_param_remainders`) every group keeps it: it holds the main weights' upper halves."""
+    return c == 4 or offload or remainders or group.param_len != group.optim_len
 
 
-def transient_unsharded(group: Group, c: int, offload: bool) -> bool:
-    """Whether the whole padded buffer is built each time the unit runs (gathered or cast), not kept."""
-    return group.gathers_params or not keeps_shard(group, c, offload)
+def transient_unsharded(group: Group, c: int, offload: bool, remainders: bool = False) -> bool:
+    """Whether the whole padded buffer is built each time the unit runs (gathered or cast), not kept: a group whose
+    parameters are not gathered computes with its kept shard itself."""
+    return group.gathers_params or not keeps_shard(group, c, offload, remainders)
 
 
 def memory(shape: ModelShape, groups: list[Group], acts: Activations, run: Settings) -> Memory:
     """The peak of one step on rank 0 (which holds the most real optimizer elements of any rank)."""
-    c, offload = run.compute_bytes, run.offload
+    c, offload, remainders = run.compute_bytes, run.offload, run.store_param_remainders
     counted = kinds(groups)
-    params = sum(n * g.param_len * c for g, n in counted if keeps_shard(g, c, offload))
+    params = sum(n * g.param_len * c for g, n in counted if keeps_shard(g, c, offload, remainders))
     params += sum(n * g.param_len for g, n in counted if g.gathers_fp8)  # the quantized piece, one byte each
     optim_len = sum(n * g.optim_len for g, n in counted)
-    main = 0 if c == 4 and not offload else 4 * optim_len
+    # fp32 main weights of their own, or (remainders) their low halves: the upper halves are the shard counted above
+    main = 0 if c == 4 and not offload else (2 if remainders else 4) * optim_len
     moments = sum(n * sum(moment_bytes(d, g.optim_real) for d in run.moment_dtypes) for g, n in counted)
     optimizer, host = (0, main + moments + 4 * optim_len) if offload else (main + moments, 0)
     grads = sum(n * g.grad_len * run.reduce_bytes for g, n in counted)
     earlier_grads = grads if run.microbatches > 1 else 0
 
     def unsharded(unit: int) -> int:
-        held = [g for g in groups if g.unit == unit and transient_unsharded(g, c, offload)]
+        held = [g for g in groups if g.unit == unit and transient_unsharded(g, c, offload, remainders)]
         return sum(g.padded * (1 if g.gathers_fp8 else c) for g in held)
 
     root, last = len(shape.units) - 1, len(shape.units) - 2

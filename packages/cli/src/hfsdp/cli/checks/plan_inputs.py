@@ -41,8 +41,9 @@ def model_shape(cfg: TrainConfig) -> ModelShape:
 
 def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
     """The step `hfsdp train` runs: its microbatches, dtype, recompute and offload, and the precision-aware optimizer's
-    gradient and moment dtypes, and whether the fp8 weights are gathered in fp8 (not when no layer is large enough to
-    be converted: `build_model` then asks no fp8 gather); the root of a Hugging Face model frees its parameters after
+    gradient and moment dtypes and whether it keeps the fp32 main weights as bf16 shards plus remainders, and whether
+    the fp8 weights are gathered in fp8 (not when no layer is large enough to be converted: `build_model` then asks
+    no fp8 gather); the root of a Hugging Face model frees its parameters after
     forward (`build_model`), the GPT's keeps them."""
     return Settings(
         seq=cfg.seq_len,
@@ -55,6 +56,7 @@ def step_settings(cfg: TrainConfig, shape: ModelShape) -> Settings:
         reduce_bytes=2 if cfg.main_grads_dtype == "bf16" else 4,
         moment_dtypes=(cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype),
         fp8_param_gather=cfg.fp8 is not None and cfg.fp8_param_gather and any(u.fp8 for u in shape.units),
+        store_param_remainders=cfg.store_param_remainders,
     )
 
 

@@ -27,10 +27,15 @@ def _header(inputs) -> list[str]:
         f"Plan for {inputs.shape.describe()} on {c.nodes} x {c.gpus_per_node} GPUs ({c.world} ranks).",
         f"Step: {run.microbatches} microbatch(es) of {run.micro_batch} x {run.seq} tokens per rank (global batch "
         f"{layout.global_batch_size}), {cfg.dtype}{_fp8(inputs)}, recompute {'on' if run.recompute else 'off'}, "
-        f"offload {cfg.offload}.",
+        f"offload {cfg.offload}{_remainders(run)}.",
         f"Cluster: {c.gpu_memory_gib:.1f} GiB per GPU, {c.intra_gbps:g} GB/s inside a node, {c.inter_gbps:g} GB/s "
         f"between nodes, {c.peak_tflops:g} TFLOP/s x MFU {inputs.mfu:.2f}.",
     ]
+
+
+def _remainders(run) -> str:
+    """', fp32 main weights kept as the bf16 shard plus a 16-bit remainder' with --store-param-remainders."""
+    return ", fp32 main weights kept as the bf16 shard plus a 16-bit remainder" if run.store_param_remainders else ""
 
 
 def _fp8(inputs) -> str:
@@ -134,7 +139,8 @@ def report_json(inputs, rows: list[Evaluated], best: Evaluated | None, why: str)
                  "recompute": run.recompute, "offload": inputs.cfg.offload, "fp8": inputs.cfg.fp8,
                  "fp8_recipe": inputs.cfg.fp8_recipe if inputs.cfg.fp8 else None,
                  "fp8_min_size": inputs.cfg.fp8_min_size if inputs.cfg.fp8 else None,
-                 "fp8_param_gather": run.fp8_param_gather},
+                 "fp8_param_gather": run.fp8_param_gather,
+                 "store_param_remainders": run.store_param_remainders},
         "layouts": [row_dict(inputs, r) for r in rows],
         "recommended": layout_name(best.cfg) if best is not None else None,
         "why": why,

@@ -41,7 +41,14 @@ def _optimizer_bytes(run: TrainConfig | None) -> tuple[float, str]:
     if not values.get("use_precision_aware_optimizer"):
         return 12.0, BYTES_NOTE
     m, v = values["exp_avg_dtype"], values["exp_avg_sq_dtype"]
-    return 4 + MOMENT_BYTES[m] + MOMENT_BYTES[v], f"bf16 params and grads, fp32 main weights, Adam state {m}/{v}"
+    main = "fp32 main weights"
+    if values.get("store_param_remainders"):
+        main += " kept as the bf16 params plus 2-byte remainders"
+    return 4 + MOMENT_BYTES[m] + MOMENT_BYTES[v], f"bf16 params and grads, {main}, Adam state {m}/{v}"
+
+
+def _remainders(run: TrainConfig | None) -> bool:
+    return bool(run is not None and run.values.get("store_param_remainders"))
 
 
 class OutputFormat(StrEnum):
@@ -92,13 +99,14 @@ def summarize(cfg: LayoutConfig, run: TrainConfig | None = None) -> dict[str, An
     from hfsdp.core.rules.layout import dense_layout, expert_layout
 
     optim_bytes, assumes = _optimizer_bytes(run)
+    remainders = _remainders(run)
     expert: dict[str, Any] | None = None
     if cfg.num_moe_experts is not None:
         expert = {
             "ep": cfg.ep,
             "num_moe_experts": cfg.num_moe_experts,
             "experts_per_rank": cfg.num_moe_experts // cfg.ep,
-            **_mesh_summary(expert_layout(cfg), optim_bytes),
+            **_mesh_summary(expert_layout(cfg), optim_bytes, remainders),
         }
     return {
         "layout": cfg.layout_name,
@@ -107,7 +115,7 @@ def summarize(cfg: LayoutConfig, run: TrainConfig | None = None) -> dict[str, An
         "global_batch_size": cfg.global_batch_size,
         "micro_batch_size": cfg.micro_batch_size,
         "num_microbatches": cfg.num_microbatches,
-        "dense": _mesh_summary(dense_layout(cfg), optim_bytes),
+        "dense": _mesh_summary(dense_layout(cfg), optim_bytes, remainders),
         "expert": expert,
         "bytes_per_param_assumes": assumes,
         "config": {MEGATRON_NAMES[k]: v for k, v in cfg.to_dict().items()},
@@ -142,15 +150,30 @@ def _settings(run: TrainConfig) -> dict[str, Any]:
     }
 
 
-def _mesh_summary(mesh, optim_bytes: float = 12.0) -> dict[str, Any]:
+def _mesh_summary(mesh, optim_bytes: float = 12.0, remainders: bool = False) -> dict[str, Any]:
     from hfsdp.core.rules.placement_names import describe_names
 
     return {
         "mesh": {"names": list(mesh.names), "shape": list(mesh.shape)},
         "strategies": [a.strategy.value for a in mesh.axes],
         "placements": {state: describe_names(mesh.placement_names(state)) for state, _ in STATES},
-        "bytes_per_param": mesh.bytes_per_param(optim_bytes=optim_bytes),
+        "bytes_per_param": _bytes_per_param(mesh, optim_bytes, remainders),
     }
+
+
+def _bytes_per_param(mesh, optim_bytes: float, remainders: bool) -> float:
+    """`MeshLayout.bytes_per_param`, or with --store-param-remainders: the bf16 parameter shard kept on every layout
+    (2/s_p) and a 2-byte remainder in place of the 4-byte fp32 main weight (docs/formulas.md): 2/s_o less where a
+    bf16 shard was kept already (s_p != s_o), the same elsewhere."""
+    if not remainders:
+        return mesh.bytes_per_param(optim_bytes=optim_bytes)
+    from hfsdp.core.rules.placement_names import State
+
+    return (
+        2 / mesh.shard_factor(State.PARAM)
+        + 2 / mesh.shard_factor(State.GRAD)
+        + (optim_bytes - 2) / mesh.shard_factor(State.OPTIM)
+    )
 
 
 def _console(stderr: bool = False) -> Console:

@@ -90,6 +90,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     sharded = built.sharded
     throughput = Throughput.of(cfg, device)
     opt = _optimizer(cfg, param_groups(sharded, cfg.weight_decay), device)
+    if rank == 0 and cfg.store_param_remainders:
+        say(_remainders_line(sharded))
     clips_in_step = getattr(opt, "max_grad_norm", None) is not None  # FusedAdamW clips as it steps
     apart = _instances_apart(layout)
     data, held_out = _data(cfg, built.vocab_size)
@@ -235,8 +237,23 @@ def _optimizer(cfg: TrainConfig, groups, device: torch.device):
 
         return FusedAdamW(groups, lr=cfg.lr, max_grad_norm=cfg.clip_grad or None, prestage_gathers=True,
                           overlap_next_forward=cfg.overlap_step, exp_avg_dtype=cfg.exp_avg_dtype,
-                          exp_avg_sq_dtype=cfg.exp_avg_sq_dtype)  # fmt: skip
+                          exp_avg_sq_dtype=cfg.exp_avg_sq_dtype,
+                          store_param_remainders=cfg.store_param_remainders)  # fmt: skip
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+
+
+def _remainders_line(sharded) -> str:
+    """What --store-param-remainders did on rank 0 (its caller), measured on the groups the optimizer converted: how
+    many keep their fp32 main weights as the bf16 shard plus a 16-bit remainder, and the remainders' bytes."""
+    from hfsdp.core import sharding_of
+
+    groups = [g for g in sharding_of(sharded).groups if not g.frozen]
+    kept = [g.remainder for g in groups if g.remainder is not None]
+    held = sum(r.numel() * r.element_size() for r in kept)
+    return (
+        f"store_param_remainders: {len(kept)} of {len(groups)} parameter groups keep their fp32 main weights as the "
+        f"bf16 shard plus a 16-bit remainder ({held:,} bytes of remainders on rank 0)"
+    )
 
 
 def _fused_adamw(cfg: TrainConfig, device: torch.device) -> bool:

@@ -31,6 +31,7 @@ PLAN_SETTINGS = (
     "main_params_dtype",
     "exp_avg_dtype",
     "exp_avg_sq_dtype",
+    "store_param_remainders",
     "fp8",
     "fp8_recipe",
     "fp8_min_size",

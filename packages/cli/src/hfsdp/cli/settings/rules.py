@@ -358,6 +358,99 @@ def _precision_aware_optimizer_is_fused_adamw(v: dict[str, Any], said) -> str | 
     return None
 
 
+def _turn(said, name: str, value: str) -> str:
+    """How the user would set `name` to `value`: '--dtype bf16' as a flag, 'train.dtype: bf16' in a file (a switch's
+    flag alone for true)."""
+    spelled = said.name(name)
+    if "." in spelled:
+        return f"{spelled}: {value}"
+    return spelled if value == "true" else f"{spelled} {value}"
+
+
+def _remainders_need_the_precision_aware_optimizer(v: dict[str, Any], said) -> str | None:
+    if v["use_precision_aware_optimizer"]:
+        return None
+    return (
+        f"{said('store_param_remainders')} keeps the fp32 main weights as bf16 weights plus 16-bit remainders inside "
+        f"the precision-aware optimizer's step, which is off ({said('use_precision_aware_optimizer')}); as in "
+        f"Megatron, it applies only with it: add {_turn(said, 'use_precision_aware_optimizer', 'true')}, or drop "
+        f"{said.name('store_param_remainders')}."
+    )
+
+
+def _remainders_need_bf16(v: dict[str, Any], said) -> str | None:
+    if v["dtype"] == "bf16":
+        return None
+    return (
+        f"{said('store_param_remainders')} keeps each fp32 main weight as the bf16 weight the forward computes with "
+        f"plus the 16 bits bf16 drops, so it needs bf16 compute, but {said('dtype')} computes with the fp32 main "
+        f"weights themselves; add {_turn(said, 'dtype', 'bf16')}, or drop {said.name('store_param_remainders')}."
+    )
+
+
+def _remainders_need_fp32_masters(v: dict[str, Any], said) -> str | None:
+    if v["main_params_dtype"] == "fp32":
+        return None
+    return (
+        f"{said('store_param_remainders')} splits fp32 main weights into a bf16 weight and a 16-bit remainder, but "
+        f"{said('main_params_dtype')} asks for other masters; as in Megatron, it applies only to fp32 ones: set "
+        f"{said.name('main_params_dtype')} to fp32 (the default), or drop {said.name('store_param_remainders')}."
+    )
+
+
+def _remainders_without_offload(v: dict[str, Any], said) -> str | None:
+    if v["offload"] == "none":
+        return None
+    return (
+        f"{said('store_param_remainders')} keeps the main weights' upper half as the bf16 weights on the device, but "
+        f"{said('offload')} keeps the main weights in host memory (off the device already); drop "
+        f"{said.name('offload')}, or drop {said.name('store_param_remainders')}."
+    )
+
+
+def _remainders_without_diloco(v: dict[str, Any], said) -> str | None:
+    if v["outer"] != "diloco":
+        return None
+    return (
+        f"{said('store_param_remainders')} cannot be combined with {said('outer')} yet: DiLoCo's outer step reads "
+        f"and writes the fp32 main weights directly; drop {said.name('store_param_remainders')}, or train without "
+        "DiLoCo."
+    )
+
+
+def _remainders_without_fp8_weights(v: dict[str, Any], said) -> str | None:
+    if v["fp8"] is None or not v["fp8_param_gather"]:
+        return None
+    return (
+        f"{said('store_param_remainders')} is not supported with fp8 weights yet: {said('fp8_param_gather')} keeps "
+        "the converted weights quantized on their shards and gathers them in fp8, with no bf16 weights to hold the "
+        f"main weights' upper half; drop {said.name('fp8_param_gather')} (fp8 matmuls on bf16-gathered weights work "
+        f"with it), or drop {said.name('store_param_remainders')}."
+    )
+
+
+#: What --store-param-remainders depends on; its problems are reported under it, the first that applies.
+REMAINDER_SETTINGS = ("store_param_remainders", "use_precision_aware_optimizer", "dtype", "main_params_dtype",
+                      "offload", "outer", "fp8", "fp8_param_gather")  # fmt: skip
+_REMAINDER_CHECKS = (
+    _remainders_need_the_precision_aware_optimizer,
+    _remainders_need_bf16,
+    _remainders_need_fp32_masters,
+    _remainders_without_offload,
+    _remainders_without_diloco,
+    _remainders_without_fp8_weights,
+)
+
+
+def _store_param_remainders(v: dict[str, Any], said) -> str | None:
+    """Megatron's store_param_remainders: with the precision-aware optimizer, bf16 compute and fp32 masters on the
+    device, and (hfsdp's own limits, core's `kernels/remainder_groups.py`) without DiLoCo or fp8 weight gathers. One
+    paragraph, the first problem found, as the precision-aware optimizer's own rule reports."""
+    if not v["store_param_remainders"]:
+        return None
+    return next((found for check in _REMAINDER_CHECKS if (found := check(v, said)) is not None), None)
+
+
 def _profile_steps_within_run(v: dict[str, Any], said) -> str | None:
     if v["profile_dir"] is None:
         if said.explicit("profile_steps"):
@@ -412,6 +505,7 @@ RULES: tuple[Rule, ...] = (
         _precision_aware_optimizer_is_fused_adamw,
     ),
     *(Rule(names, check) for names, check in FP8_CHECKS),
+    Rule(REMAINDER_SETTINGS, _store_param_remainders),
     Rule(("offload_fraction", "offload"), _fraction_needs_offload),
     Rule(("profile_steps", "profile_dir", "steps"), _profile_steps_within_run),
     Rule(("model_config", *GPT_SETTINGS), _hf_model_excludes_gpt_flags),

@@ -347,6 +347,17 @@ SETTINGS: tuple[Setting, ...] = (
         panel="Optimizer precision",
     ),
     Setting(
+        "store_param_remainders",
+        "--store-param-remainders",
+        False,
+        bool,
+        "Megatron's: fp32 main weights kept as the bf16 weights plus 16-bit remainders (exact). Opt-in: its Triton "
+        "kernel is not yet checked on a GPU.",
+        boolean,
+        key="train.store_param_remainders",
+        panel="Optimizer precision",
+    ),
+    Setting(
         "fp8",
         "--fp8-format",
         None,
