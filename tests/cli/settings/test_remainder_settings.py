@@ -81,6 +81,10 @@ REFUSALS = {
         {"fp8": "hybrid", "fp8_param_gather": True, "model_config": None},
         ["is not supported with fp8 weights yet: --fp8-param-gather true", "drop --fp8-param-gather (fp8 matmuls"],
     ),
+    "overlap step": (
+        {"overlap_step": True},
+        ["cannot be combined with --overlap-step true:", "nothing to overlap; drop --overlap-step, or drop"],
+    ),
 }  # fmt: skip
 
 

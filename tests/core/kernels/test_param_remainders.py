@@ -118,3 +118,16 @@ def test_a_run_with_a_remainder_refuses_fp32_weights_an_out_tensor_and_a_wrong_r
         adamw_run(torch.zeros(n, dtype=BF), grad, m, v, scalars, out=torch.zeros(n, dtype=BF), remainder=remainder)
     with pytest.raises(ValueError, match="int16 tensor of 8"):
         adamw_run(torch.zeros(n, dtype=BF), grad, m, v, scalars, remainder=torch.zeros(n, dtype=torch.int32))
+
+
+def test_fused_adamw_refuses_remainders_with_an_overlapped_step():
+    """The overlapped step writes a staged copy of the bf16 weights; with remainders the step writes them in place."""
+    from hfsdp.core import FusedAdamW
+
+    with pytest.raises(ValueError, match="store_param_remainders=True cannot be combined with overlap_next_forward"):
+        FusedAdamW(
+            [torch.nn.Parameter(torch.zeros(2))],
+            prestage_gathers=True,
+            overlap_next_forward=True,
+            store_param_remainders=True,
+        )

@@ -429,9 +429,20 @@ def _remainders_without_fp8_weights(v: dict[str, Any], said) -> str | None:
     )
 
 
+def _remainders_without_overlap_step(v: dict[str, Any], said) -> str | None:
+    if not v["overlap_step"]:
+        return None
+    return (
+        f"{said('store_param_remainders')} cannot be combined with {said('overlap_step')}: the overlapped step "
+        "writes the next forward's bf16 weights into a buffer of their own, while with remainders the step writes "
+        f"the bf16 weights the gathers read in place, so there is nothing to overlap; drop {said.name('overlap_step')}"
+        f", or drop {said.name('store_param_remainders')}."
+    )
+
+
 #: What --store-param-remainders depends on; its problems are reported under it, the first that applies.
 REMAINDER_SETTINGS = ("store_param_remainders", "use_precision_aware_optimizer", "dtype", "main_params_dtype",
-                      "offload", "outer", "fp8", "fp8_param_gather")  # fmt: skip
+                      "offload", "outer", "fp8", "fp8_param_gather", "overlap_step")  # fmt: skip
 _REMAINDER_CHECKS = (
     _remainders_need_the_precision_aware_optimizer,
     _remainders_need_bf16,
@@ -439,6 +450,7 @@ _REMAINDER_CHECKS = (
     _remainders_without_offload,
     _remainders_without_diloco,
     _remainders_without_fp8_weights,
+    _remainders_without_overlap_step,
 )
 
 

@@ -609,8 +609,9 @@ class FlatParamGroup:
 
     def state_bytes(self) -> int:
         """Model-state bytes on this rank's device as the memory model counts them: the compute-dtype parameter
-        shard where one is kept, the gradient piece, and the fp32 main weights where they are neither that shard
-        nor offloaded to host memory."""
+        shard where one is kept, the gradient piece, the fp32 main weights where they are neither that shard
+        nor offloaded to host memory, and the masters' 16-bit remainders where they are kept as the shard plus
+        those (`main_dtype` is then the shard's)."""
         shard = 0 if self.param_shard is None else self.param_shard.numel() * self.param_shard.element_size()
         grad = 0 if self.frozen else (self.grad_range[1] - self.grad_range[0]) * self.grads.reduce_dtype.itemsize
         separate = self.compute_dtype != self.main_dtype and not self.offload

@@ -54,7 +54,8 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
   model's parameters, outside forward, are then bf16 views; state dicts and checkpoints still hold the fp32 masters
   (joined), so they load into any run, with or without remainders. Needs bf16 compute
   (`MixedPrecision(param_dtype=torch.bfloat16)`), every parameter of each group it touches in this optimizer, and no
-  offload, fp8 weights or DiLoCo; any other optimizer is then refused on those parameters at its first step.
+  offload, fp8 weights, DiLoCo or `overlap_next_forward` (`prestage_gathers` has nothing to stage: the gathers read
+  the kept shard); any other optimizer is then refused on those parameters at its first step.
 
 Moment dtypes (Megatron's precision-aware optimizer, `exp_avg_dtype`, `exp_avg_sq_dtype`: torch.float32 by default,
 torch.bfloat16, torch.float16, or fp8; Megatron's names "fp32", "bf16", "fp16", "fp8" work too, through
@@ -242,6 +243,12 @@ class FusedAdamW(torch.optim.AdamW):
             )
         if not isinstance(store_param_remainders, bool):
             problems.append(f"store_param_remainders must be True or False, got {store_param_remainders!r}")
+        elif store_param_remainders and overlap_next_forward is True:
+            problems.append(
+                "store_param_remainders=True cannot be combined with overlap_next_forward=True: the overlapped step "
+                "writes the next forward's bf16 weights into a buffer of their own, while with remainders it writes "
+                "the bf16 weights the gathers read in place, so there is nothing to overlap"
+            )
         if problems:
             raise ValueError("FusedAdamW: " + "; ".join(problems) + ".")
         super().__init__(
