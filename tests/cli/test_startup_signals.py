@@ -84,7 +84,41 @@ def test_a_command_run_in_process_leaves_the_callers_handlers_as_they_were():
     """Called from Python (a test's CliRunner, a notebook), a command restores the SIGINT/SIGTERM handlers it found:
     ignoring them after the command is for the `hfsdp` program's own exit, and left in a caller it made every process
     the caller started later ignore Ctrl-C and SIGTERM."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
     result = CliRunner().invoke(app, ["validate-config", "examples/hfsdp_2x4.yaml"])
     assert result.exit_code == 0, result.output
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_signal_inside_an_import_is_raised_when_the_import_is_over(tmp_path, monkeypatch):
+    """A signal that lands while a module is being imported (torch's, numpy's: lazily, inside commands and ranks)
+    waits until the import is over, then raises `Interrupted`: raised inside it, it left numpy half-imported (a
+    later import failed with "cannot load module more than once per process", a traceback) or was swallowed by a C
+    extension's init (a SIGTERM the run ignored). Here a module signals its own process halfway through its body."""
+    import importlib
+    import sys
+
+    from hfsdp.cli.rank import stopping
+
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.2)  # the signal's handler runs here, inside the import\n"
+        "FINISHED = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    monkeypatch.setattr(stopping, "_requested", None)
+    try:
+        stopping.install()
+        with pytest.raises(stopping.Interrupted) as stopped:
+            importlib.import_module("slow_module")
+            time.sleep(1)  # the recheck raises within RECHECK_S of the import's end
+        assert stopped.value.signum == signal.SIGTERM
+        assert sys.modules["slow_module"].FINISHED  # the module's import ran to its end
+        assert not any("importlib" in str(entry.path) for entry in stopped.traceback)  # raised outside it
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        sys.modules.pop("slow_module", None)

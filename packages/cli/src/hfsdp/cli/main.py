@@ -93,7 +93,7 @@ class _Command(TyperCommand):
     """
 
     def invoke(self, ctx):
-        before = {sig: signal.getsignal(sig) for sig in stopping.SIGNALS}
+        before = {sig: signal.getsignal(sig) for sig in (*stopping.SIGNALS, signal.SIGALRM)}  # and its recheck
         stopping.install()  # from here a signal unwinds the command (its cleanup runs), no longer start-up's exit
         try:
             return self._checked(ctx)

@@ -13,6 +13,13 @@ handle both signals:
   none is left waiting in a collective and a save in progress completes. Before the loop
   starts (imports, rendezvous, loading) there is nothing to finish, so the handler raises
   `Interrupted` at once.
+
+Except inside an import: raised in the middle of a module's import (torch's, numpy's, transformers', which start
+lazily inside commands and ranks), the exception leaves the module half-initialised, where a later import fails
+("cannot load module more than once per process": a traceback instead of the line), or a C extension's init
+swallows it and the signal is lost (a SIGTERM that the run ignores). So a signal that arrives inside an import is
+recorded, and raised as soon as the import is over: the handler re-checks on a 20 ms SIGALRM timer, and raises
+from the first frame that is not inside `importlib`'s machinery.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import contextlib
 import signal
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: How soon a signal that arrived inside an import is looked at again (seconds).
+RECHECK_S = 0.02
+_IMPORT_FILES = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
 
 
 class Interrupted(BaseException):  # a BaseException, like KeyboardInterrupt: no `except Exception` swallows it
@@ -49,14 +59,38 @@ def _handler(signum: int, frame) -> None:
     global _requested
     if _requested is None:
         _requested = signum
-    if not _defer:
-        raise Interrupted(signum)
+    _raise_unless_importing(frame)
+
+
+def _recheck(signum: int, frame) -> None:
+    """SIGALRM: a signal recorded inside an import is raised once the import is over."""
+    _raise_unless_importing(frame)
+
+
+def _raise_unless_importing(frame) -> None:
+    if _requested is None or _defer:
+        return
+    if _importing(frame):
+        signal.setitimer(signal.ITIMER_REAL, RECHECK_S)  # look again once this import may be done
+        return
+    raise Interrupted(_requested)
+
+
+def _importing(frame) -> bool:
+    """Whether `frame` runs inside an import (a module's body, or importlib itself, anywhere up its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename in _IMPORT_FILES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def install() -> None:
-    """Handle SIGINT and SIGTERM in this process: raise `Interrupted`, or only record it inside `deferred()`."""
+    """Handle SIGINT and SIGTERM in this process: raise `Interrupted` (after the import in progress, if any), or
+    only record it inside `deferred()`."""
     for sig in SIGNALS:
         signal.signal(sig, _handler)
+    signal.signal(signal.SIGALRM, _recheck)
 
 
 @contextlib.contextmanager
@@ -81,6 +115,7 @@ def hold() -> None:
 
 def ignore() -> None:
     """Ignore further SIGINT/SIGTERM (the launcher, while it writes its last line)."""
+    signal.setitimer(signal.ITIMER_REAL, 0)  # no recheck pending either
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
