@@ -103,6 +103,17 @@ def accumulated_loss(sharded, step: int, microbatches: int, rank: int, world: in
     return total.item() / (microbatches * world)
 
 
+def toy_steps(sharded, opt, rank: int, world: int, start: int, count: int, microbatches: int) -> list[float]:
+    """Optimizer steps `start` .. `start + count - 1` of a sharded toy, each over `microbatches` microbatches: the
+    global mean losses (collective)."""
+    losses = []
+    for step in range(start, start + count):
+        losses.append(accumulated_loss(sharded, step, microbatches, rank, world))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 #: A transformers Llama small enough for many spawned ranks: 2 layers of width 32, GQA 4/2 heads, vocabulary 64.
 TINY_LLAMA = {
     "model_type": "llama",

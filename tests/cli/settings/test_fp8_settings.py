@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from hfsdp.cli.main import app
 from hfsdp.cli.settings.settings import BY_NAME, FP8_FORMATS, FP8_MIN_SIZE, FP8_RECIPES
 from hfsdp.cli.settings.train_config import build_file_config, build_train_config
-from hfsdp.core.rules.config import ConfigError
 
 from tests.support.runs import LLAMA
+from tests.support.settings import train_problems
 
 runner = CliRunner()
 FP8 = {"fp8": "hybrid", "dtype": "bf16"}
@@ -25,16 +25,6 @@ def llama(tmp_path) -> str:
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(LLAMA))
     return str(path)
-
-
-def _problems(flags: dict) -> dict[str, str]:
-    with pytest.raises(ConfigError) as err:
-        build_train_config({"device": "cpu", **flags})
-    found = {}
-    for p in err.value.problems:
-        assert p.field not in found, f"two problems under {p.field}: {found[p.field]} / {p.message}"
-        found[p.field] = p.message
-    return found
 
 
 def _validate(tmp_path, sections: dict):
@@ -73,14 +63,14 @@ def test_a_hugging_face_run_in_bf16_accepts_every_valid_combination(llama):
 
 
 def test_an_unknown_format_or_recipe_is_refused_with_what_each_means(llama):
-    problems = _problems({**FP8, "model_config": llama, "fp8": "e5m2", "fp8_recipe": "delayed"})
+    problems = train_problems({**FP8, "model_config": llama, "fp8": "e5m2", "fp8_recipe": "delayed"})
     assert problems["--fp8-format"] == (
         "--fp8-format must be one of e4m3, hybrid (e4m3 for every tensor, or hybrid: e4m3 forward, e5m2 gradients; "
         "unset: no fp8); got 'e5m2'."
     )
     assert problems["--fp8-recipe"].startswith("--fp8-recipe must be one of tensorwise, rowwise (one scale per ")
     assert "hfsdp has no delayed, blockwise or mxfp8" in problems["--fp8-recipe"]
-    typo = _problems({**FP8, "model_config": llama, "fp8": "hybird"})
+    typo = train_problems({**FP8, "model_config": llama, "fp8": "hybird"})
     assert typo == {"--fp8-format": "--fp8-format must be one of e4m3, hybrid (did you mean hybrid?); got 'hybird'."}
 
 
@@ -88,12 +78,12 @@ def test_an_unknown_format_or_recipe_is_refused_with_what_each_means(llama):
 def test_a_recipe_a_min_size_or_the_fp8_gather_without_a_format_is_refused(name, llama):
     flag = BY_NAME[name].flag
     value = {"fp8_param_gather": True, "fp8_min_size": 0.0}.get(name, "rowwise")
-    (message,) = _problems({"model_config": llama, "dtype": "bf16", name: value}).values()
+    (message,) = train_problems({"model_config": llama, "dtype": "bf16", name: value}).values()
     assert message.startswith(f"{flag} ") and "but fp8 is off (--fp8-format is not set)" in message
     assert message.endswith(f"turn it on with --fp8-format hybrid (or e4m3), or drop {flag}.")
     # A recipe given at all would be ignored, the default's too; the gather switched off by hand says nothing.
-    assert list(_problems({"fp8_recipe": "tensorwise"})) == ["--fp8-recipe"]
-    assert list(_problems({"fp8_min_size": float(FP8_MIN_SIZE)})) == ["--fp8-min-size"]
+    assert list(train_problems({"fp8_recipe": "tensorwise"})) == ["--fp8-recipe"]
+    assert list(train_problems({"fp8_min_size": float(FP8_MIN_SIZE)})) == ["--fp8-min-size"]
     build_train_config({"device": "cpu", "fp8_param_gather": False})
 
 
@@ -106,7 +96,7 @@ def test_a_min_size_of_zero_or_more_is_taken(llama):
 @pytest.mark.parametrize("value", [-1.0, -0.5, float("nan"), float("inf"), "big", "2048", True])
 def test_a_negative_or_non_numeric_min_size_is_refused_in_one_paragraph(value, llama):
     """What a file could hold (a flag is a float by then: typer refuses text, test below)."""
-    problems = _problems({**FP8, "model_config": llama, "fp8_min_size": value})
+    problems = train_problems({**FP8, "model_config": llama, "fp8_min_size": value})
     assert list(problems) == ["--fp8-min-size"], problems
     (message,) = problems.values()
     assert message.startswith("--fp8-min-size must be a number >= 0 such as 0 or 2048: a Linear layer multiplies in ")
@@ -125,7 +115,7 @@ def test_train_refuses_a_min_size_that_is_no_number_naming_the_flag(llama):
 
 
 def test_the_fp8_gather_needs_the_tensorwise_recipe(llama):
-    (message,) = _problems(
+    (message,) = train_problems(
         {**FP8, "model_config": llama, "fp8": "e4m3", "fp8_recipe": "rowwise", "fp8_param_gather": True}
     ).values()
     assert message.startswith("--fp8-param-gather true gathers each weight already quantized on its shard")
@@ -134,20 +124,20 @@ def test_the_fp8_gather_needs_the_tensorwise_recipe(llama):
 
 
 def test_rowwise_has_no_hybrid_form(llama):
-    (message,) = _problems({**FP8, "model_config": llama, "fp8_recipe": "rowwise"}).values()
+    (message,) = train_problems({**FP8, "model_config": llama, "fp8_recipe": "rowwise"}).values()
     assert message.startswith("--fp8-format 'hybrid' keeps gradients in e5m2, but --fp8-recipe 'rowwise'")
     assert "as torchao's rowwise recipe does" in message
     assert message.endswith("use --fp8-format e4m3 with rowwise, or --fp8-recipe tensorwise with hybrid.")
 
 
 def test_fp8_needs_bf16_compute(llama):
-    (message,) = _problems({"fp8": "e4m3", "model_config": llama}).values()
+    (message,) = train_problems({"fp8": "e4m3", "model_config": llama}).values()
     assert message.startswith("--fp8-format 'e4m3' needs bf16 compute, but --dtype 'fp32' (the default)")
     assert message.endswith("add --dtype bf16, or drop --fp8-format.")
 
 
 def test_fp8_is_refused_on_the_megatron_gpt():
-    (message,) = _problems(FP8).values()
+    (message,) = train_problems(FP8).values()
     assert message.startswith("--fp8-format 'hybrid' converts the nn.Linear layers of a Hugging Face model, but")
     assert "megatron's own parallel linears, which need TransformerEngine for fp8" in message
     assert message.endswith("(--model-config PATH/config.json), or drop --fp8-format.")

@@ -14,24 +14,14 @@ from typer.testing import CliRunner
 from hfsdp.cli.main import app
 from hfsdp.cli.settings.settings import BY_NAME
 from hfsdp.cli.settings.train_config import build_file_config, build_train_config
-from hfsdp.core.rules.config import ConfigError
 
 from tests.support.runs import HFSDP, LLAMA
+from tests.support.settings import train_problems
 
 runner = CliRunner()
 FLAG = "--store-param-remainders"
 #: What the option needs: the precision-aware optimizer and bf16 compute.
 ON = {"store_param_remainders": True, "use_precision_aware_optimizer": True, "dtype": "bf16"}
-
-
-def _problems(flags: dict) -> dict[str, str]:
-    with pytest.raises(ConfigError) as err:
-        build_train_config({"device": "cpu", **flags})
-    found = {}
-    for p in err.value.problems:
-        assert p.field not in found, f"two problems under {p.field}: {found[p.field]} / {p.message}"
-        found[p.field] = p.message
-    return found
 
 
 def _validate(tmp_path, sections: dict):
@@ -91,7 +81,7 @@ REFUSALS = {
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_each_rule_is_one_paragraph_under_the_flag(case):
     flags, needles = REFUSALS[case]
-    problems = _problems({**ON, **flags})
+    problems = train_problems({**ON, **flags})
     message = problems[FLAG]
     assert message.startswith(f"{FLAG} true "), message
     assert "\n" not in message
@@ -102,9 +92,9 @@ def test_each_rule_is_one_paragraph_under_the_flag(case):
 def test_what_is_refused_beside_it_is_still_refused_under_its_own_flag():
     """--main-params-dtype fp16 and DiLoCo with the precision-aware optimizer have rules of their own: each is
     reported under its flag too, one paragraph each."""
-    problems = _problems({**ON, "main_params_dtype": "fp16"})
+    problems = train_problems({**ON, "main_params_dtype": "fp16"})
     assert set(problems) == {FLAG, "--main-params-dtype"}
-    problems = _problems({**ON, "outer": "diloco", "instances": 2, "sync_every": 5})
+    problems = train_problems({**ON, "outer": "diloco", "instances": 2, "sync_every": 5})
     assert set(problems) == {FLAG, "--use-precision-aware-optimizer"}
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.toy_models import accumulated_loss, make_toy
+from tests.support.toy_models import accumulated_loss, make_toy, toy_steps
 
 #: name -> (inner, outer, instances) on 6 ranks
 LAYOUTS = {
@@ -69,12 +69,7 @@ def _ties(masters: dict) -> int:
 
 
 def _steps(sharded, opt, rank, world, start, count) -> list[float]:
-    losses = []
-    for step in range(start, start + count):
-        losses.append(accumulated_loss(sharded, step, MICRO, rank, world))
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return toy_steps(sharded, opt, rank, world, start, count, MICRO)
 
 
 def _side_by_side(rank: int, world: int, layout: tuple) -> dict:

@@ -20,7 +20,7 @@ from hfsdp.core.kernels.fused_adamw import FusedAdamW
 from hfsdp.core.kernels.optimizer_dtypes import parse_state_dtype
 
 from tests.support.distributed import run_distributed
-from tests.support.toy_models import accumulated_loss, global_batch, make_toy
+from tests.support.toy_models import global_batch, make_toy, toy_steps
 
 E4, E5, BF, F16, F32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32
 FP8_MAX = {E4: 448.0, E5: 57344.0}
@@ -285,13 +285,8 @@ def _optimizer(sharded, option, cls=FusedAdamW):
     )
 
 
-def _steps(sharded, opt, rank, world, start, count):
-    losses = []
-    for step in range(start, start + count):
-        losses.append(accumulated_loss(sharded, step, MICRO, rank, world))
-        opt.step()
-        opt.zero_grad()
-    return losses
+def _steps(sharded, opt, rank, world, start, count) -> list[float]:
+    return toy_steps(sharded, opt, rank, world, start, count, MICRO)
 
 
 def _snapshot(sharded, opt):
