@@ -16,7 +16,8 @@ FusedAdamW end to end on a small sharded model.
    magnitudes around 1e-4..1e-2, the range training sees) and `wide` (1e-30..1: fp32 and fp8 subnormals, the fp8
    scales' clamps).
 2. Speed. The first backend on one flat run of `--numel` elements (default 256 Mi) per option and gradient dtype,
-   with the clip coefficient and the bf16 `out` (what the step moves in training): CUDA events, warm-up, the median
+   with the clip coefficient and the bf16 `out` (what the step moves in training), and again with the masters as
+   a bf16 half plus a remainder (no `out`: 2 bytes less per element): CUDA events, warm-up, the median
    of `--repeat` steps. Bandwidth from the bytes per element below (derived from the dtypes, as `fused_adamw`'s
    docstring states them), against the H200's 4.8 TB/s datasheet HBM bandwidth, and a device copy for scale.
 3. FusedAdamW. One process (NCCL on CUDA, gloo on the CPU), `hfsdp.core.fully_shard` of a small MLP with bf16
@@ -343,6 +344,7 @@ def timing(device, backend: str, numel: int, warmup: int, repeat: int, options) 
     copy_row["TBps"] = 6.0 * numel / copy["median_s"] / 1e12
     rows.append(copy_row)
     blocks = ScaleBlocks([numel], device)
+    high, low = split_master(p)  # the same masters as a bf16 half and a remainder
     for grad_name, grad_dtype in GRADS.items():
         g = g32 if grad_dtype == F32 else g32.to(grad_dtype)
         for option in options:
@@ -359,16 +361,23 @@ def timing(device, backend: str, numel: int, warmup: int, repeat: int, options) 
                 def step(m=m, v=v, scales=scales, run_blocks=run_blocks, g=g):
                     adamw_run(p, g, m, v, s, coef, out, backend, scales=scales, blocks=run_blocks)
 
-                measured = _time(step, device, warmup, repeat)
+                def split_step(m=m, v=v, scales=scales, run_blocks=run_blocks, g=g):
+                    adamw_run(high, g, m, v, s, coef, None, backend, scales=scales, blocks=run_blocks, remainder=low)
+
+                measured = {False: _time(step, device, warmup, repeat), True: _time(split_step, device, warmup, repeat)}
             except Exception as err:
                 crashed("timing", name, err)
                 rows.append({"what": name, "error": traceback.format_exc()})
                 continue
-            per = bytes_per_element(m_dtype, v_dtype, grad_dtype)
-            row = {"what": name, "option": option, "grad": grad_name, "bytes_per_element": per, **measured}
-            row["TBps"] = per * numel / measured["median_s"] / 1e12
-            row["fraction_of_4.8TBps"] = row["TBps"] * 1e12 / H200_HBM_BYTES_PER_S
-            rows.append(row)
+            for remainders, timed in measured.items():
+                # with remainders: the master's two 16-bit halves read and written (fp32's 8 bytes), no bf16 `out`
+                per = bytes_per_element(m_dtype, v_dtype, grad_dtype) - (2 if remainders else 0)
+                what = name + (" remainders" if remainders else "")
+                row = {"what": what, "option": option, "grad": grad_name, "remainders": remainders}
+                row.update(bytes_per_element=per, **timed)
+                row["TBps"] = per * numel / timed["median_s"] / 1e12
+                row["fraction_of_4.8TBps"] = row["TBps"] * 1e12 / H200_HBM_BYTES_PER_S
+                rows.append(row)
             del m, v, scales
     for row in rows:
         if "error" in row:

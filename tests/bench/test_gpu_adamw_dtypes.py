@@ -35,8 +35,8 @@ def test_the_script_runs_every_part_on_the_cpu(tmp_path):
     fp8_case = next(c for c in report["bit_cases"] if c["case"].startswith("fp8/bf16 grad=bf16 clip+bf16out"))
     assert fp8_case["used"] == ["torch"] and fp8_case["nonzero_moment_share"]["exp_avg"] > 0.5
     timed = [r for r in report["timing"] if "option" in r]
-    assert {(r["option"], r["grad"]) for r in timed} == {
-        (o, g) for o in ("bf16/fp8", "fp8/bf16") for g in ("fp32", "bf16")
+    assert {(r["option"], r["grad"], r["remainders"]) for r in timed} == {
+        (o, g, k) for o in ("bf16/fp8", "fp8/bf16") for g in ("fp32", "bf16") for k in (False, True)
     }
     assert all(r["TBps"] > 0 and r["median_s"] > 0 for r in timed)
     assert [r["case"] for r in report["fused"]] == [
