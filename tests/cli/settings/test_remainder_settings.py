@@ -67,10 +67,6 @@ REFUSALS = {
         {"outer": "diloco", "instances": 2, "sync_every": 5},
         ["cannot be combined with --outer 'diloco' yet", "or train without DiLoCo"],
     ),
-    "fp8 gather": (
-        {"fp8": "hybrid", "fp8_param_gather": True, "model_config": None},
-        ["is not supported with fp8 weights yet: --fp8-param-gather true", "drop --fp8-param-gather (fp8 matmuls"],
-    ),
     "overlap step": (
         {"overlap_step": True},
         ["cannot be combined with --overlap-step true:", "nothing to overlap; drop --overlap-step, or drop"],
@@ -98,13 +94,15 @@ def test_what_is_refused_beside_it_is_still_refused_under_its_own_flag():
     assert set(problems) == {FLAG, "--use-precision-aware-optimizer"}
 
 
-def test_fp8_matmuls_without_the_fp8_gather_are_accepted(tmp_path):
-    """Only weights gathered in fp8 have no bf16 shard to hold the masters' upper halves; fp8 matmuls on bf16-gathered
-    weights keep one (trained on the CPU: test_remainders_train.py)."""
+def test_fp8_matmuls_and_the_fp8_gather_are_accepted(tmp_path):
+    """fp8 weights are quantized from the kept bf16 shard, gathered in fp8 or not (trained on the CPU:
+    test_remainders_train.py, and bit for bit against fp32 masters in core's test_param_remainders_engine.py)."""
     config = tmp_path / "llama.json"
     config.write_text(json.dumps(LLAMA))
-    cfg = build_train_config({"device": "cpu", **ON, "fp8": "hybrid", "model_config": str(config)})
-    assert cfg.store_param_remainders and cfg.fp8 == "hybrid" and not cfg.fp8_param_gather
+    for gather in (False, True):
+        flags = {"device": "cpu", **ON, "fp8": "hybrid", "model_config": str(config), "fp8_param_gather": gather}
+        cfg = build_train_config(flags)
+        assert cfg.store_param_remainders and cfg.fp8 == "hybrid" and cfg.fp8_param_gather == gather
 
 
 def test_the_config_file_key_is_refused_by_key_with_exit_1(tmp_path):

@@ -6,7 +6,8 @@ masters hold an exact tie: there the bf16 weights differ by design (rounded away
 and the runs part. Its model-state bytes are the fp32 run's less 2 per element of each optimizer piece that sits
 beside a kept bf16 shard. Checkpoints and full state dicts hold the joined fp32 masters: a resume continues bit for bit,
 through hfsdp.ckpt and DCP alike; a checkpoint moves between runs with and without remainders exactly, and loads on 2x2.
-torch's clip over the (now bf16) parameters, the model's clip and a capturable step give the same masters.
+Weights gathered in fp8 are quantized from the kept bf16 shard: the same steps again. torch's clip over the (now
+bf16) parameters, the model's clip and a capturable step give the same masters.
 Other optimizers are refused on such masters, and so is what the option cannot serve (fp32 compute, part of a
 group, offload, DiLoCo), once per kind of problem.
 """
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
+from tests.support.fp8_models import make_fp8_toy, run_microbatches
 from tests.support.toy_models import accumulated_loss, make_toy, toy_steps
 
 #: name -> (inner, outer, instances) on 6 ranks
@@ -224,8 +226,49 @@ def _doors(rank: int, world: int) -> dict:
     return out
 
 
+#: The fp8 runs' layouts: HSDP quantizes each rank's piece, HFSDP 3x2 the optimizer piece before its fp8 gather.
+FP8_LAYOUTS = ("HSDP 3x2", "HFSDP 3x2")
+
+
+def _fp8_side_by_side(rank: int, world: int, layout: tuple) -> list[tuple[bool, bool, int]]:
+    """Weights gathered in fp8 (hybrid, tensorwise), fp32 masters against bf16 + remainder, step by step."""
+    from hfsdp.core import (
+        Float8Config,
+        FusedAdamW,
+        LayoutConfig,
+        MixedPrecision,
+        build_meshes,
+        convert_to_float8,
+        fully_shard,
+    )
+
+    runs = []
+    for remainders in (False, True):
+        model = make_fp8_toy()
+        convert_to_float8(model, Float8Config("hybrid", "tensorwise"), units=list(model.layers), min_size=0)
+        inner, outer, instances = layout
+        cfg = LayoutConfig(world_size=world, inner=inner, outer=outer, instances=instances)
+        mp = MixedPrecision(torch.bfloat16)
+        sharded = fully_shard(
+            model, cfg, build_meshes(cfg, "cpu"), units=list(model.layers), mp=mp, fp8_param_gather=True
+        )
+        opt = FusedAdamW(sharded.parameters(), lr=1e-2, backend="torch", store_param_remainders=remainders)
+        runs.append((sharded, opt))
+    rows = []
+    for step in range(3):
+        losses = []
+        for sharded, opt in runs:
+            losses.append(run_microbatches(sharded, step, rank, world, MICRO))
+            opt.step()
+            opt.zero_grad()
+        masters = _masters(runs[0][0])
+        rows.append((losses[0] == losses[1], _bits_equal(masters, _masters(runs[1][0])), _ties(masters)))
+    return rows
+
+
 def _six(rank: int, world: int, root: str) -> dict:
     out = {name: _side_by_side(rank, world, layout) for name, layout in LAYOUTS.items()}
+    out["fp8"] = {name: _fp8_side_by_side(rank, world, LAYOUTS[name]) for name in FP8_LAYOUTS}
     out["doors"] = _doors(rank, world)
     out["checkpoints"] = _checkpoints(rank, world, root)
     out["refusals"] = _refusals(rank, world)
@@ -267,6 +310,16 @@ def test_the_run_takes_the_fp32_master_runs_steps_bit_for_bit_until_a_tie(six, l
         for same_losses, same_masters, _ in rows[: first_tie + 1]:  # the step that makes the tie is still exact
             assert same_losses and same_masters
         assert rank[layout]["remainders"] and rank[layout]["dtypes"] == {"torch.bfloat16"}
+
+
+@pytest.mark.parametrize("layout", FP8_LAYOUTS)
+def test_weights_gathered_in_fp8_are_quantized_from_the_kept_shard_as_from_the_fp32_masters(six, layout):
+    """fp8 gather (hybrid, tensorwise): the run with remainders is the fp32-master run's, step by step, until a tie."""
+    for rank in six[0]:
+        rows = rank["fp8"][layout]
+        first_tie = next((i for i, (_, _, ties) in enumerate(rows) if ties), len(rows) - 1)
+        for same_losses, same_masters, _ in rows[: first_tie + 1]:
+            assert same_losses and same_masters
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

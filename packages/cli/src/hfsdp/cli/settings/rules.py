@@ -418,17 +418,6 @@ def _remainders_without_diloco(v: dict[str, Any], said) -> str | None:
     )
 
 
-def _remainders_without_fp8_weights(v: dict[str, Any], said) -> str | None:
-    if v["fp8"] is None or not v["fp8_param_gather"]:
-        return None
-    return (
-        f"{said('store_param_remainders')} is not supported with fp8 weights yet: {said('fp8_param_gather')} keeps "
-        "the converted weights quantized on their shards and gathers them in fp8, with no bf16 weights to hold the "
-        f"main weights' upper half; drop {said.name('fp8_param_gather')} (fp8 matmuls on bf16-gathered weights work "
-        f"with it), or drop {said.name('store_param_remainders')}."
-    )
-
-
 def _remainders_without_overlap_step(v: dict[str, Any], said) -> str | None:
     if not v["overlap_step"]:
         return None
@@ -442,22 +431,21 @@ def _remainders_without_overlap_step(v: dict[str, Any], said) -> str | None:
 
 #: What --store-param-remainders depends on; its problems are reported under it, the first that applies.
 REMAINDER_SETTINGS = ("store_param_remainders", "use_precision_aware_optimizer", "dtype", "main_params_dtype",
-                      "offload", "outer", "fp8", "fp8_param_gather", "overlap_step")  # fmt: skip
+                      "offload", "outer", "overlap_step")  # fmt: skip
 _REMAINDER_CHECKS = (
     _remainders_need_the_precision_aware_optimizer,
     _remainders_need_bf16,
     _remainders_need_fp32_masters,
     _remainders_without_offload,
     _remainders_without_diloco,
-    _remainders_without_fp8_weights,
     _remainders_without_overlap_step,
 )
 
 
 def _store_param_remainders(v: dict[str, Any], said) -> str | None:
     """Megatron's store_param_remainders: with the precision-aware optimizer, bf16 compute and fp32 masters on the
-    device, and (hfsdp's own limits, core's `kernels/remainder_groups.py`) without DiLoCo or fp8 weight gathers. One
-    paragraph, the first problem found, as the precision-aware optimizer's own rule reports."""
+    device, and (hfsdp's own limits, core's `kernels/remainder_groups.py`) without DiLoCo or the overlapped step.
+    One paragraph, the first problem found, as the precision-aware optimizer's own rule reports."""
     if not v["store_param_remainders"]:
         return None
     return next((found for check in _REMAINDER_CHECKS if (found := check(v, said)) is not None), None)

@@ -54,8 +54,9 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
   model's parameters, outside forward, are then bf16 views; state dicts and checkpoints still hold the fp32 masters
   (joined), so they load into any run, with or without remainders. Needs bf16 compute
   (`MixedPrecision(param_dtype=torch.bfloat16)`), every parameter of each group it touches in this optimizer, and no
-  offload, fp8 weights, DiLoCo or `overlap_next_forward` (`prestage_gathers` has nothing to stage: the gathers read
-  the kept shard); any other optimizer is then refused on those parameters at its first step.
+  offload, DiLoCo or `overlap_next_forward` (`prestage_gathers` has nothing to stage: the gathers read the kept
+  shard; weights gathered in fp8 are quantized from it); any other optimizer is then refused on those parameters at
+  its first step.
 
 Moment dtypes (Megatron's precision-aware optimizer, `exp_avg_dtype`, `exp_avg_sq_dtype`: torch.float32 by default,
 torch.bfloat16, torch.float16, or fp8; Megatron's names "fp32", "bf16", "fp16", "fp8" work too, through

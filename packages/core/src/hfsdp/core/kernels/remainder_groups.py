@@ -58,8 +58,6 @@ def _problem(group, held: set[int]) -> tuple[str, str] | None:
             f"store_param_remainders=True cannot be combined with offload ('{name}' keeps its main weights in host "
             "memory): offloading moves them off the GPU already"
         )
-    if group.fp8 is not None:
-        return "fp8", f"store_param_remainders=True is not supported for fp8 weights yet ('{name}' is gathered in fp8)"
     if owner is not None and owner.outer is not None:
         return "diloco", (
             "store_param_remainders=True is not supported with DiLoCo (its outer step reads and writes the fp32 main "
