@@ -38,7 +38,8 @@ STYLES = ("eager", "module", "fullgraph", "wrapper", "forward", "cli", "model")
 #: gathers and reductions a larger mesh runs are then issued as copies, on the same streams at the same points, so
 #: their stream ordering is checked there too (above all the fp8 gather: quantize after the step, then gather).
 #: `_rem`: FusedAdamW(store_param_remainders=True), the fp32 masters kept as the bf16 weights plus a 16-bit
-#: remainder (under `single_rank_collectives()` too: the gather then reads the kept bf16 shard, no cast); its
+#: remainder (under `single_rank_collectives()` too: the gather then reads the kept bf16 shard, no cast, or the fp8
+#: weights quantized from it with `fp8t_`); its
 #: reference steps fp32 masters and rounds them to bf16 as the split does (ties away from zero).
 OPTIONS = (
     "",
@@ -54,6 +55,7 @@ OPTIONS = (
     "fp8t_fused_clip_prestage_overlap",
     "comms",
     "fused_clip_prestage_rem",
+    "fp8t_fused_clip_prestage_rem",
 )
 FP8_OPTIONS = {"fp8t": ("hybrid", "tensorwise"), "fp8r": ("e4m3", "rowwise")}
 

@@ -80,12 +80,13 @@ def test_the_judge_fails_what_is_not_deterministic_or_starts_elsewhere():
 def test_one_rank_runs_the_fp8_gather_and_the_collectives_a_larger_mesh_would(tmp_path):
     """One gloo rank, the options that build hfsdp under `single_rank_collectives()`: plain bf16 ("comms"), fp8
     tensorwise gathered in fp8, the same with FusedAdamW's prestaged, overlapped step, and FusedAdamW keeping the
-    masters as bf16 weights plus remainders (gathered from the kept bf16 shard). Each passes against the
-    reference of its arithmetic and issued the gathers and reduce-scatters (the fp8 weights in one byte)."""
+    masters as bf16 weights plus remainders (gathered from the kept bf16 shard, in bf16 and in fp8). Each passes
+    against the reference of its arithmetic and issued the gathers and reduce-scatters (the fp8 weights in one
+    byte)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(gpu_correctness.SRC))
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_correctness.py"), str(tmp_path), "--device", "cpu", "--small"]
     cmd += ["--steps", "2", "--styles", "eager", "--options", "comms,fp8t,fp8t_fused_clip_prestage_overlap"]
-    cmd[-1] += ",fused_clip_prestage_rem"
+    cmd[-1] += ",fused_clip_prestage_rem,fp8t_fused_clip_prestage_rem"
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     verdicts = json.loads((tmp_path / "results.json").read_text())["verdicts"]
@@ -97,6 +98,7 @@ def test_one_rank_runs_the_fp8_gather_and_the_collectives_a_larger_mesh_would(tm
     assert ("deterministic across processes", fused) in passed
     split = "hfsdp/eager/fused_clip_prestage_rem"  # masters as bf16 weights plus remainders
     assert ("agrees with reference/eager/fused_rem", split) in passed
+    assert ("agrees with reference/eager/fp8t_fused_rem", "hfsdp/eager/fp8t_fused_clip_prestage_rem") in passed
     with tarfile.open(tmp_path / "logs.tgz") as tar:
         main = json.load(tar.extractfile("main.json"))
     issued = {r["case"]: set(r["collectives"] or ()) for r in main["results"] if r["case"].startswith("hfsdp")}
