@@ -63,10 +63,6 @@ REFUSALS = {
         {"offload": "optim"},
         ["--offload 'optim' keeps the main weights in host memory", "drop --offload, or drop"],
     ),
-    "diloco": (
-        {"outer": "diloco", "instances": 2, "sync_every": 5},
-        ["cannot be combined with --outer 'diloco' yet", "or train without DiLoCo"],
-    ),
     "overlap step": (
         {"overlap_step": True},
         ["cannot be combined with --overlap-step true:", "nothing to overlap; drop --overlap-step, or drop"],
@@ -86,12 +82,13 @@ def test_each_rule_is_one_paragraph_under_the_flag(case):
 
 
 def test_what_is_refused_beside_it_is_still_refused_under_its_own_flag():
-    """--main-params-dtype fp16 and DiLoCo with the precision-aware optimizer have rules of their own: each is
-    reported under its flag too, one paragraph each."""
+    """--main-params-dtype fp16 and DiLoCo with the precision-aware optimizer have rules of their own: fp16 masters
+    are reported under both flags, one paragraph each; DiLoCo under the precision-aware optimizer's alone (the
+    remainders themselves work with DiLoCo's outer step)."""
     problems = train_problems({**ON, "main_params_dtype": "fp16"})
     assert set(problems) == {FLAG, "--main-params-dtype"}
     problems = train_problems({**ON, "outer": "diloco", "instances": 2, "sync_every": 5})
-    assert set(problems) == {FLAG, "--use-precision-aware-optimizer"}
+    assert set(problems) == {"--use-precision-aware-optimizer"}  # refused there; remainders work with DiLoCo
 
 
 def test_fp8_matmuls_and_the_fp8_gather_are_accepted(tmp_path):

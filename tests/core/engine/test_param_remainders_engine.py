@@ -8,8 +8,8 @@ beside a kept bf16 shard. Checkpoints and full state dicts hold the joined fp32 
 through hfsdp.ckpt and DCP alike; a checkpoint moves between runs with and without remainders exactly, and loads on 2x2.
 Weights gathered in fp8 are quantized from the kept bf16 shard: the same steps again. torch's clip over the (now
 bf16) parameters, the model's clip and a capturable step give the same masters.
-Other optimizers are refused on such masters, and so is what the option cannot serve (fp32 compute, part of a
-group, offload, DiLoCo), once per kind of problem.
+DiLoCo's outer step works on the joined masters (the same steps again). Other optimizers are refused on such
+masters, and so is what the option cannot serve (fp32 compute, part of a group, offload), once per kind of problem.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _pieces(model):
 
 def _refusals(rank: int, world: int) -> dict:
     """What is refused, each at once, with its message."""
-    from hfsdp.core import DiLoCoConfig, FusedAdamW
+    from hfsdp.core import FusedAdamW
 
     layout = LAYOUTS["HFSDP 2x3"]
     out = {}
@@ -173,19 +173,16 @@ def _refusals(rank: int, world: int) -> dict:
         out["torch AdamW"] = "stepped"
     except TypeError as err:
         out["torch AdamW"] = str(err)
-    diloco = ("optim_grads_params", "diloco", 2)
     models = {  # held here: a main param knows its model only while the model lives
         "fp32 compute": _model(world, layout, remainders=False, dtype=None)[0],
         "a subset": _model(world, layout, remainders=False)[0],
         "offload": _model(world, layout, remainders=False, offload=True)[0],
-        "DiLoCo": _model(world, diloco, remainders=False, diloco=DiLoCoConfig(sync_every=2))[0],
     }
     for what, params in (
         ("fp32 compute", list(models["fp32 compute"].parameters())),
         ("a subset", list(models["a subset"].layers[0].parameters())[:1]),
         ("no sharded parameter", [torch.nn.Parameter(torch.zeros(3))]),
         ("offload", list(models["offload"].parameters())),
-        ("DiLoCo", list(models["DiLoCo"].parameters())),
     ):
         try:
             FusedAdamW(params, store_param_remainders=True)
@@ -266,8 +263,36 @@ def _fp8_side_by_side(rank: int, world: int, layout: tuple) -> list[tuple[bool, 
     return rows
 
 
+def _diloco(rank: int, world: int, root: str) -> dict:
+    """DiLoCo over 2 instances of 3 (an outer step every 2 inner ones, 5 inner steps), its exchange in fp32 and in
+    bf16 (anchored: the update over an fp32 anchor): fp32 masters against bf16 + remainder, step by step; and the
+    bf16 run saved after step 3 (hfsdp.ckpt: the instances' masters and the outer state) and resumed."""
+    from hfsdp.ckpt import load_checkpoint, save_checkpoint
+    from hfsdp.core import DiLoCoConfig
+
+    out = {}
+    for exchange in ("fp32", "bf16"):
+        config = DiLoCoConfig(sync_every=2, comm_dtype=exchange)
+        layout = ("optim_grads_params", "diloco", 2)
+        runs = [_model(world, layout, remainders=r, diloco=config) for r in (False, True)]
+        rows = []
+        for step in range(STEPS):
+            if step == 3 and exchange == "bf16":
+                save_checkpoint(f"{root}/diloco", *runs[1], step=3)
+            losses = [_steps(model, opt, rank, world, step, 1) for model, opt in runs]
+            masters = _masters(runs[0][0])
+            rows.append((losses[0] == losses[1], _bits_equal(masters, _masters(runs[1][0])), _ties(masters)))
+        out[exchange] = rows
+    resumed, opt = _model(world, layout, seed=7, diloco=config)
+    load_checkpoint(f"{root}/diloco", resumed, opt)
+    _steps(resumed, opt, rank, world, 3, STEPS - 3)
+    out["resumed"] = _bits_equal(_masters(resumed), _masters(runs[1][0]))
+    return out
+
+
 def _six(rank: int, world: int, root: str) -> dict:
     out = {name: _side_by_side(rank, world, layout) for name, layout in LAYOUTS.items()}
+    out["diloco"] = _diloco(rank, world, root)
     out["fp8"] = {name: _fp8_side_by_side(rank, world, LAYOUTS[name]) for name in FP8_LAYOUTS}
     out["doors"] = _doors(rank, world)
     out["checkpoints"] = _checkpoints(rank, world, root)
@@ -310,6 +335,21 @@ def test_the_run_takes_the_fp32_master_runs_steps_bit_for_bit_until_a_tie(six, l
         for same_losses, same_masters, _ in rows[: first_tie + 1]:  # the step that makes the tie is still exact
             assert same_losses and same_masters
         assert rank[layout]["remainders"] and rank[layout]["dtypes"] == {"torch.bfloat16"}
+
+
+@pytest.mark.parametrize("exchange", ["fp32", "bf16"])
+def test_dilocos_outer_step_works_on_the_joined_masters(six, exchange):
+    """DiLoCo 2x3, two outer steps in five: the run with remainders is the fp32-master run's until a tie."""
+    for rank in six[0]:
+        rows = rank["diloco"][exchange]
+        first_tie = next((i for i, (_, _, ties) in enumerate(rows) if ties), len(rows) - 1)
+        for same_losses, same_masters, _ in rows[: first_tie + 1]:
+            assert same_losses and same_masters
+
+
+def test_a_diloco_run_with_remainders_resumes_bit_for_bit(six):
+    for rank in six[0]:
+        assert rank["diloco"]["resumed"]
 
 
 @pytest.mark.parametrize("layout", FP8_LAYOUTS)
@@ -362,7 +402,6 @@ def test_another_optimizer_and_what_the_option_cannot_serve_are_refused(six):
         assert "is not in this optimizer" in said["a subset"]
         assert "steps no parameter" in said["no sharded parameter"]
         assert "cannot be combined with offload ('inp.weight'" in said["offload"] and said["offload"].count(";") == 0
-        assert "not supported with DiLoCo" in said["DiLoCo"]
 
 
 @pytest.mark.parametrize("how", ["torch clip", "model clip", "capturable"])

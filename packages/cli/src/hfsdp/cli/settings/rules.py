@@ -408,16 +408,6 @@ def _remainders_without_offload(v: dict[str, Any], said) -> str | None:
     )
 
 
-def _remainders_without_diloco(v: dict[str, Any], said) -> str | None:
-    if v["outer"] != "diloco":
-        return None
-    return (
-        f"{said('store_param_remainders')} cannot be combined with {said('outer')} yet: DiLoCo's outer step reads "
-        f"and writes the fp32 main weights directly; drop {said.name('store_param_remainders')}, or train without "
-        "DiLoCo."
-    )
-
-
 def _remainders_without_overlap_step(v: dict[str, Any], said) -> str | None:
     if not v["overlap_step"]:
         return None
@@ -431,20 +421,20 @@ def _remainders_without_overlap_step(v: dict[str, Any], said) -> str | None:
 
 #: What --store-param-remainders depends on; its problems are reported under it, the first that applies.
 REMAINDER_SETTINGS = ("store_param_remainders", "use_precision_aware_optimizer", "dtype", "main_params_dtype",
-                      "offload", "outer", "overlap_step")  # fmt: skip
+                      "offload", "overlap_step")  # fmt: skip
 _REMAINDER_CHECKS = (
     _remainders_need_the_precision_aware_optimizer,
     _remainders_need_bf16,
     _remainders_need_fp32_masters,
     _remainders_without_offload,
-    _remainders_without_diloco,
     _remainders_without_overlap_step,
 )
 
 
 def _store_param_remainders(v: dict[str, Any], said) -> str | None:
     """Megatron's store_param_remainders: with the precision-aware optimizer, bf16 compute and fp32 masters on the
-    device, and (hfsdp's own limits, core's `kernels/remainder_groups.py`) without DiLoCo or the overlapped step.
+    device, and (hfsdp's own limit, core's `kernels/remainder_groups.py`) without the overlapped step; with DiLoCo
+    the precision-aware optimizer itself is refused.
     One paragraph, the first problem found, as the precision-aware optimizer's own rule reports."""
     if not v["store_param_remainders"]:
         return None

@@ -54,7 +54,7 @@ that is why it is opt-in rather than swapped in for `torch.optim.AdamW`.
   model's parameters, outside forward, are then bf16 views; state dicts and checkpoints still hold the fp32 masters
   (joined), so they load into any run, with or without remainders. Needs bf16 compute
   (`MixedPrecision(param_dtype=torch.bfloat16)`), every parameter of each group it touches in this optimizer, and no
-  offload, DiLoCo or `overlap_next_forward` (`prestage_gathers` has nothing to stage: the gathers read the kept
+  offload or `overlap_next_forward` (`prestage_gathers` has nothing to stage: the gathers read the kept
   shard; weights gathered in fp8 are quantized from it); any other optimizer is then refused on those parameters at
   its first step.
 

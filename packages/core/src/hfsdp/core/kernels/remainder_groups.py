@@ -44,7 +44,6 @@ def keep_remainders(optimizer) -> None:
 def _problem(group, held: set[int]) -> tuple[str, str] | None:
     """(kind, message) of what keeps `group` from being converted, or None."""
     name = group.main_params[0].name
-    owner = group.owner()
     if group.remainder is not None:
         return None  # converted already (an optimizer built again): the remainder is the group's
     if group.compute_dtype != torch.bfloat16 or group.main_dtype != torch.float32:
@@ -57,11 +56,6 @@ def _problem(group, held: set[int]) -> tuple[str, str] | None:
         return "offload", (
             f"store_param_remainders=True cannot be combined with offload ('{name}' keeps its main weights in host "
             "memory): offloading moves them off the GPU already"
-        )
-    if owner is not None and owner.outer is not None:
-        return "diloco", (
-            "store_param_remainders=True is not supported with DiLoCo (its outer step reads and writes the fp32 main "
-            "weights directly)"
         )
     missing = next((p for p in group.main_params if id(p) not in held), None)
     if missing is not None:

@@ -92,8 +92,9 @@ class OuterSync:
         for group in groups:
             (axis,) = group.plan.outer_sync
             lo, hi = group.flat.outer_range
-            theta = nn.Parameter(group.main[FlatLayout.within(group.optim_range, (lo, hi))].detach().clone())
-            anchor = group.main.detach().clone() if config.anchored else None
+            main = group.master_weights()  # fp32 (joined where kept as a bf16 shard plus a remainder)
+            theta = nn.Parameter(main[FlatLayout.within(group.optim_range, (lo, hi))].detach().clone())
+            anchor = main.detach().clone() if config.anchored else None
             codec = Codec(config.comm_dtype, hi - lo)
             self.states.append(GroupOuter(group, fragment_of_unit[group.unit_index], axis, theta, anchor, codec))
         self.optimizer = torch.optim.SGD(
@@ -150,7 +151,8 @@ class OuterSync:
     def _pseudo_gradient(self, state: GroupOuter) -> torch.Tensor:
         """Δ on this rank's outer piece: θ_g minus the mean of every instance's weights (all-to-all over the axis)."""
         group, count = state.group, state.instances
-        rows = group.main if state.anchor is None else group.main - state.anchor
+        main = group.master_weights()
+        rows = main if state.anchor is None else main - state.anchor
         payload = state.codec.encode(rows.view(count, -1))
         received = torch.empty_like(payload)
         group.comms.all_to_all(state.axis, received, payload)
@@ -174,10 +176,10 @@ class OuterSync:
         group.comms.all_gather(state.axis, gathered.view(-1), mine.view(-1))
         new = state.codec.decode(gathered).reshape(-1)
         if state.anchor is None:
-            group.main.copy_(new)
+            group.write_master(0, new)
         else:
             state.anchor += new
-            group.main.copy_(state.anchor)
+            group.write_master(0, state.anchor)
 
     # -- the state, for checkpoints and state dicts ------------------------------------------------------
 
@@ -186,9 +188,10 @@ class OuterSync:
         weights were written from outside (a state dict, a checkpoint without outer state)."""
         with torch.no_grad():
             for state in self.states:
-                state.theta.copy_(state.group.main[state.within])
+                main = state.group.master_weights()
+                state.theta.copy_(main[state.within])
                 if state.anchor is not None:
-                    state.anchor.copy_(state.group.main)
+                    state.anchor.copy_(main)
 
     def momentum(self, state: GroupOuter) -> torch.Tensor | None:
         return self.optimizer.state[state.theta].get("momentum_buffer")
