@@ -61,6 +61,14 @@ def _bits_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a)
 
 
+def _exact_until_a_tie(rows: list[tuple[bool, bool, int]]) -> bool:
+    """Whether two runs' (same losses, same masters, ties among the masters) rows agree at every step up to and
+    including the first step whose masters hold a tie (the step that makes the tie is still exact: it is the next
+    forward that reads the bf16 weights rounded otherwise)."""
+    first_tie = next((i for i, (_, _, ties) in enumerate(rows) if ties), len(rows) - 1)
+    return all(same_losses and same_masters for same_losses, same_masters, _ in rows[: first_tie + 1])
+
+
 def _ties(masters: dict) -> int:
     """Masters whose low 16 bits are exactly half a bf16 ulp, over every rank (collective)."""
     import torch.distributed as dist
@@ -330,10 +338,7 @@ def four(six):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_run_takes_the_fp32_master_runs_steps_bit_for_bit_until_a_tie(six, layout):
     for rank in six[0]:
-        rows = rank[layout]["rows"]
-        first_tie = next((i for i, (_, _, ties) in enumerate(rows) if ties), len(rows) - 1)
-        for same_losses, same_masters, _ in rows[: first_tie + 1]:  # the step that makes the tie is still exact
-            assert same_losses and same_masters
+        assert _exact_until_a_tie(rank[layout]["rows"])
         assert rank[layout]["remainders"] and rank[layout]["dtypes"] == {"torch.bfloat16"}
 
 
@@ -341,10 +346,7 @@ def test_the_run_takes_the_fp32_master_runs_steps_bit_for_bit_until_a_tie(six, l
 def test_dilocos_outer_step_works_on_the_joined_masters(six, exchange):
     """DiLoCo 2x3, two outer steps in five: the run with remainders is the fp32-master run's until a tie."""
     for rank in six[0]:
-        rows = rank["diloco"][exchange]
-        first_tie = next((i for i, (_, _, ties) in enumerate(rows) if ties), len(rows) - 1)
-        for same_losses, same_masters, _ in rows[: first_tie + 1]:
-            assert same_losses and same_masters
+        assert _exact_until_a_tie(rank["diloco"][exchange])
 
 
 def test_a_diloco_run_with_remainders_resumes_bit_for_bit(six):
@@ -356,10 +358,7 @@ def test_a_diloco_run_with_remainders_resumes_bit_for_bit(six):
 def test_weights_gathered_in_fp8_are_quantized_from_the_kept_shard_as_from_the_fp32_masters(six, layout):
     """fp8 gather (hybrid, tensorwise): the run with remainders is the fp32-master run's, step by step, until a tie."""
     for rank in six[0]:
-        rows = rank["fp8"][layout]
-        first_tie = next((i for i, (_, _, ties) in enumerate(rows) if ties), len(rows) - 1)
-        for same_losses, same_masters, _ in rows[: first_tie + 1]:
-            assert same_losses and same_masters
+        assert _exact_until_a_tie(rank["fp8"][layout])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
