@@ -4,7 +4,8 @@ The engine's work around a unit (the gather into its storage, the casts, the sid
 resizes) must stay eager: traced into a graph, the compiler may reorder it, which on a GPU trained wrong,
 non-deterministic weights. Each style here compiles with a recording backend (no code generation) that keeps
 every graph TorchDynamo hands it, so a test can read what was traced. One spawned group of 2 ranks (ZeRO-3 1x2,
-bf16 compute) runs every case; `bench/gpu_correctness.py` checks the same styles on a GPU.
+bf16 compute) runs every case, eager and `module.compile()` also with FusedAdamW keeping the masters as the bf16
+weights plus remainders; `bench/gpu_correctness.py` checks the same styles on a GPU.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def _llama():
     return LlamaForCausalLM(config)
 
 
-def _train(rank, world, style: str, graphs: list):
+def _train(rank, world, style: str, graphs: list, remainders: bool = False):
     import torch.distributed as dist
 
     from hfsdp.core import LayoutConfig, MixedPrecision, build_meshes, fully_shard
+    from hfsdp.core.buffers.main_params import piece_of
 
     def backend(gm, example_inputs):
         graphs.append(str(gm.graph))
@@ -76,7 +78,12 @@ def _train(rank, world, style: str, graphs: list):
             layer.compile(backend=backend, fullgraph=True)
     elif style == "model.compile()":
         sharded.compile(backend=backend)
-    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    if remainders:  # the masters as the bf16 weights the units compute with plus 16-bit remainders
+        from hfsdp.core import FusedAdamW
+
+        opt = FusedAdamW(sharded.parameters(), lr=1e-2, backend="torch", store_param_remainders=True)
+    else:
+        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     initial = [p.detach().clone() for p in sharded.parameters()]
     gen = torch.Generator().manual_seed(7)
     losses = []
@@ -91,7 +98,7 @@ def _train(rank, world, style: str, graphs: list):
         dist.all_reduce(total)
         losses.append(total.item() / world)
     names = sorted(sharded.state_dict())  # collective; the keys land on rank 0
-    pieces = [p.detach().clone() for p in sharded.parameters()]
+    pieces = [piece_of(p).master().clone() for p in sharded.parameters()]  # the fp32 masters
     modules = [type(m).__name__ for m in layers]
     return {"losses": losses, "names": names, "initial": initial, "pieces": pieces, "modules": modules}
 
@@ -121,8 +128,14 @@ def _cases(rank, world):
         graphs: list[str] = []
         out[style] = _train(rank, world, style, graphs)
         out[style]["graphs"] = graphs
+    for style in REMAINDER_STYLES:
+        out[style, "remainders"] = _train(rank, world, style, [], remainders=True)
     out["refusals"] = _refusals(rank, world)
     return out
+
+
+#: Styles also run with FusedAdamW(store_param_remainders=True): the units compute with the kept bf16 shard's views.
+REMAINDER_STYLES = ("eager", "module.compile()")
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +160,16 @@ def test_each_compile_style_trains_the_eager_weights(runs, style):
             assert torch.equal(got, want)
     assert runs[0][style]["names"] == runs[0]["eager"]["names"]
     assert not any("_orig_mod" in n for n in runs[0][style]["names"])
+
+
+def test_compiled_units_train_the_eager_weights_with_remainders(runs):
+    """With the masters kept as bf16 weights plus remainders, compiled units give the eager run's losses and
+    masters bit for bit too."""
+    for rank_runs in runs:
+        eager, compiled = rank_runs["eager", "remainders"], rank_runs["module.compile()", "remainders"]
+        assert compiled["losses"] == eager["losses"]
+        for got, want in zip(compiled["pieces"], eager["pieces"], strict=True):
+            assert torch.equal(got, want)
 
 
 def test_a_compiled_model_trains_the_eager_losses(runs):
