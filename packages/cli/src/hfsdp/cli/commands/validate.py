@@ -157,23 +157,8 @@ def _mesh_summary(mesh, optim_bytes: float = 12.0, remainders: bool = False) -> 
         "mesh": {"names": list(mesh.names), "shape": list(mesh.shape)},
         "strategies": [a.strategy.value for a in mesh.axes],
         "placements": {state: describe_names(mesh.placement_names(state)) for state, _ in STATES},
-        "bytes_per_param": _bytes_per_param(mesh, optim_bytes, remainders),
+        "bytes_per_param": mesh.bytes_per_param(optim_bytes=optim_bytes, remainders=remainders),
     }
-
-
-def _bytes_per_param(mesh, optim_bytes: float, remainders: bool) -> float:
-    """`MeshLayout.bytes_per_param`, or with --store-param-remainders: the bf16 parameter shard kept on every layout
-    (2/s_p) and a 2-byte remainder in place of the 4-byte fp32 main weight (docs/formulas.md): 2/s_o less where a
-    bf16 shard was kept already (s_p != s_o), the same elsewhere."""
-    if not remainders:
-        return mesh.bytes_per_param(optim_bytes=optim_bytes)
-    from hfsdp.core.rules.placement_names import State
-
-    return (
-        2 / mesh.shard_factor(State.PARAM)
-        + 2 / mesh.shard_factor(State.GRAD)
-        + (optim_bytes - 2) / mesh.shard_factor(State.OPTIM)
-    )
 
 
 def _console(stderr: bool = False) -> Console:

@@ -124,17 +124,22 @@ class MeshLayout:
             out = [(*c, j) for c in out for j in range(size)]
         return out
 
-    def bytes_per_param(self, param_bytes: int = 2, grad_bytes: int = 2, optim_bytes: int = 12) -> float:
+    def bytes_per_param(
+        self, param_bytes: int = 2, grad_bytes: int = 2, optim_bytes: float = 12, remainders: bool = False
+    ) -> float:
         """Model-state bytes per parameter on one rank: 2/s_p + 2/s_g + 12/s_o (bf16 params and grads, fp32 main
         weights and Adam), where the compute-dtype parameter shard is kept only when s_p != s_o.
 
         Where the parameter and optimizer shards are the same range, every gather
         casts the fp32 main weights into its own input, so the 2/s_p term is gone
-        (docs/design.md, "Memory").
+        (docs/design.md, "Memory"). With `remainders` (`store_param_remainders`) the
+        shard is kept everywhere and holds the masters' upper halves: of the 4 bytes
+        of fp32 main weight in `optim_bytes` only the 2-byte remainder is left.
         """
         s_p, s_o = self.shard_factor(State.PARAM), self.shard_factor(State.OPTIM)
-        params = param_bytes / s_p if s_p != s_o else 0.0
-        return params + grad_bytes / self.shard_factor(State.GRAD) + optim_bytes / s_o
+        params = param_bytes / s_p if s_p != s_o or remainders else 0.0
+        optim = optim_bytes - 2 if remainders else optim_bytes
+        return params + grad_bytes / self.shard_factor(State.GRAD) + optim / s_o
 
     def outer_bytes_per_param(self, anchored: bool = False, momentum: bool = True) -> float:
         """The outer optimizer's bytes per parameter on one rank: 8/s_outer (fp32 global weights and momentum; 4
