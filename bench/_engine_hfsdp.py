@@ -1,5 +1,5 @@
 """hfsdp as bench_step's `hfsdp` engine and its variants `hfsdp+fused[+clip][+prestage][+overlap][+keep][+bf16m|
-+fp8m][+bf16g][+fp8t|+fp8g|+fp8r]`: the engine under test, set up as `hfsdp train` sets it up, each variant
++fp8m][+bf16g][+rem][+fp8t|+fp8g|+fp8r]`: the engine under test, set up as `hfsdp train` sets it up, each variant
 switching on one option.
 """
 
@@ -15,11 +15,12 @@ from _step_model import build_model, flops_per_token, loss_of, maybe_compile, un
 #: next forward, every unit's gathered parameters kept from its forward through its backward
 #: (`reshard_after_forward=False`).
 #: Megatron's precision-aware optimizer through FusedAdamW: `bf16m` bf16 moments, `fp8m` fp8 moments (e4m3 / e5m2, a
-#: scale per 128 elements), `bf16g` gradients reduced and read in bf16.
+#: scale per 128 elements), `bf16g` gradients reduced and read in bf16, `rem` exact fp32 masters kept as the bf16
+#: shard plus a 16-bit remainder (`store_param_remainders`).
 #: FP8 compute (issue 39) of the units' Linear layers: `fp8t` hybrid tensorwise, `fp8g` the same with the weights
 #: gathered in fp8 (`fp8_param_gather`), `fp8r` e4m3 rowwise.
 FP8_PARTS = {"fp8t": ("hybrid", "tensorwise"), "fp8g": ("hybrid", "tensorwise"), "fp8r": ("e4m3", "rowwise")}
-VARIANT_PARTS = ("fused", "clip", "prestage", "overlap", "keep", "bf16m", "fp8m", "bf16g", *FP8_PARTS)
+VARIANT_PARTS = ("fused", "clip", "prestage", "overlap", "keep", "bf16m", "fp8m", "bf16g", "rem", *FP8_PARTS)
 
 
 def is_variant(name: str) -> bool:
@@ -104,6 +105,7 @@ class HfsdpEngine(Engine):
                 overlap_next_forward="overlap" in self.variant,
                 exp_avg_dtype=moments,
                 exp_avg_sq_dtype=moments,
+                store_param_remainders="rem" in self.variant,
             )
         else:
             self.opt = adamw(args, self.model.parameters())

@@ -103,7 +103,7 @@ def step_bytes(sharding, variant: set[str], microbatches: int, clip: bool, dp: i
         else:
             total["gather casts"] += casts * (4 + b_c) * n_p
         kept = group.param_shard is not None and group.param_shard.data_ptr() != group.main.data_ptr()
-        if kept and not group.offload:
+        if kept and not group.offload and "rem" not in variant:  # remainders: the step writes the shard itself
             if fused:
                 total["compute-dtype write in the step"] += b_c * n_o
             else:

@@ -298,9 +298,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(
             f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}, or hfsdp variants "
-            "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage[+overlap][+keep] (FusedAdamW; the clip in its "
-            "step; the gather input written by it; the step overlapping the next forward; the units' parameters "
-            f"kept gathered through backward), or torchao float8 {', '.join(FLOAT8_NAMES)}"
+            "hfsdp+fused, hfsdp+fused+clip, hfsdp+fused+clip+prestage[+overlap][+keep][+bf16m|+fp8m][+bf16g][+rem]"
+            "[+fp8t|+fp8g|+fp8r] (FusedAdamW; the clip in its step; the gather input written by it; the step "
+            "overlapping the next forward; the units' parameters kept gathered through backward; bf16 or fp8 "
+            "moments; bf16 gradients; fp32 masters as bf16 plus a 16-bit remainder; fp8 compute), or torchao "
+            f"float8 {', '.join(FLOAT8_NAMES)}"
         )
     float8 = ",".join(e for e in args.engines if float8_recipe(e))
     if float8 and args.model == "gpt":
