@@ -53,6 +53,7 @@ OPTIONS = (
     "fp8t",
     "fp8r",
     "fp8t_fused_clip_prestage_overlap",
+    "fp8t_fused_clip_prestage",
     "comms",
     "fused_clip_prestage_rem",
     "fp8t_fused_clip_prestage_rem",
