@@ -27,7 +27,8 @@ What passes (`report.md` says for each case):
   `warn_only=True` it still does); an op with no deterministic implementation fails its case, and the report says;
 - agreement: the first step's loss (a forward from the same weights through the same kernels) equal to the
   witness's bit for bit, and every step's loss and the final weights within EXACT_RTOL of it, or ROUNDING_RTOL for
-  a case that rounds otherwise by design (see the constants for what was measured). The witnesses are the
+  a case that rounds otherwise by design, FP8_RTOL for fp8 compute compiled or rounding otherwise (see the
+  constants for what was measured). The witnesses are the
   reference of the same kernels and FSDP2 (`Case.witnesses`); the defect this script was written for (hooks
   traced into a compiled graph) moved the first step's loss by up to 2.6e-2;
 - sanitizer: no race reported, each case completed.
@@ -63,12 +64,17 @@ from _correctness_cases import OPTIONS, STYLES, Case, Shape, fp8_of  # noqa: E40
 #: 2.6e-2 and was not deterministic.
 EXACT_RTOL = (2e-5, 1e-3)
 ROUNDING_RTOL = (5e-4, 1e-2)
-#: fp8 compute under torch.compile, against the reference compiled alike. Quantizing to fp8 turns a one-ulp bf16
-#: difference of an input (the compiled-kernel variants above) into a whole fp8 step in some element, so compiled
-#: noise grows ~500x: measured on one H200 (docs/results/h200-2026-12-04-issue39/correct), the compiled fp8
-#: reference itself differs from the eager fp8 reference by 7e-4 in loss at step 2 (bf16: 1.3e-6), and hfsdp
-#: compiled agreed with it bit for bit for three steps, then within 9.1e-4 / 9.4e-3. Eager fp8 must still be exact.
-FP8_COMPILED_RTOL = (2e-3, 2e-2)
+#: fp8 compute where the inputs may differ in the last bit: under torch.compile (against the reference compiled
+#: alike), or with an optimizer that rounds otherwise by design. Quantizing to fp8 turns a one-ulp bf16 difference
+#: of an input into a whole fp8 step in some element, and a tensorwise scale spreads it over the whole tensor, so
+#: the noise grows ~500x. Measured on one H200: the compiled fp8 reference itself differs from the eager fp8
+#: reference by 7e-4 in loss at step 2 (bf16: 1.3e-6), and hfsdp compiled agreed with it bit for bit for three
+#: steps, then within 9.1e-4 / 9.4e-3 (docs/results/h200-2026-12-04-issue39/correct); FusedAdamW's in-step clip
+#: norm one ulp off torch's clip (its sums run per flat group, in fp64; the gradients bit for bit the same) moved
+#: 42M of 0.54B masters by one ulp at step 1 and gave 5.1e-4 / 1.8e-2 after 6 steps in fp8, where the same
+#: difference stays within 1.8e-5 / 1.3e-3 in bf16 (docs/results/h200-2026-12-05-remainders). An eager fp8 case of
+#: the reference's own arithmetic must still be exact.
+FP8_RTOL = (2e-3, 2e-2)
 SANITIZER_STEPS = 2
 SRC = [os.path.join(ROOT, "packages", p, "src") for p in ("core", "ckpt", "cli")]
 
@@ -285,8 +291,8 @@ def judge(records: dict, passes: dict) -> list[dict]:
                 add("deterministic across processes", case.name, same, _difference(first, second))
         if case.engine == "hfsdp" and first and not first.get("error"):
             loss_rtol, weight_rtol = EXACT_RTOL if case.exact else ROUNDING_RTOL
-            if fp8_of(case.option) and case.kernels != "eager":
-                loss_rtol, weight_rtol = FP8_COMPILED_RTOL
+            if fp8_of(case.option) and (case.kernels != "eager" or not case.exact):
+                loss_rtol, weight_rtol = FP8_RTOL
             witnesses = [w for w in case.witnesses if main.get((w, 0))]
             if not witnesses and case.option and not fp8_of(case.option):
                 # no reference (several ranks): the same run without the option (fp8 is not close to bf16 by design)
@@ -337,8 +343,8 @@ def report(records: dict, verdicts: list[dict], args, seconds: float, codes: dic
         f"`{' '.join(sys.argv)}` — {env.get('gpu', args.device)}, torch {env.get('torch', '?')}, "
         f"{args.nproc} rank(s), {seconds:.0f} s in all; passes' exit codes {codes}.",
         f"Model: {asdict(args.shape)}. Tolerances (loss, weights ‖Δ‖/‖witness‖): the same arithmetic {EXACT_RTOL}, "
-        f"other rounding by design (offload, FusedAdamW) {ROUNDING_RTOL}, fp8 compiled {FP8_COMPILED_RTOL}; "
-        "the first step equal.",
+        f"other rounding by design (offload, FusedAdamW) {ROUNDING_RTOL}, fp8 compiled or rounding otherwise "
+        f"{FP8_RTOL}; the first step equal.",
         "",
         "## Losses",
         "",
