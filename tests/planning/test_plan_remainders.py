@@ -146,8 +146,8 @@ def plans(tmp_path_factory) -> dict[bool, dict]:
     path = tmp_path_factory.mktemp("llama70b") / "config.json"
     path.write_text(json.dumps(LLAMA_70B))
     out = {}
-    for remainders in (False, True):
-        flags = ["--store-param-remainders"] if remainders else []
+    for remainders in (False, True, None):  # None: unset, the precision-aware optimizer's default
+        flags = {False: ["--no-store-param-remainders"], True: ["--store-param-remainders"], None: []}[remainders]
         args = ["plan", "--model-config", str(path), *BASE, *PRECISION, *flags, "--format", "json"]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
@@ -200,6 +200,7 @@ def test_70b_hsdp_zero3_and_ddp_keep_the_same_model_state(plans):
 def test_the_plan_says_it_planned_remainders(plans, tmp_path):
     assert plans[True]["step"]["store_param_remainders"] is True
     assert plans[False]["step"]["store_param_remainders"] is False
+    assert plans[None] == plans[True]  # as Megatron's, on by default with the precision-aware optimizer
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_70B))
     args = ["plan", "--model-config", str(path), *BASE, *PRECISION, "--store-param-remainders"]

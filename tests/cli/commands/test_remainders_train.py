@@ -1,5 +1,6 @@
-"""`hfsdp train --device cpu --store-param-remainders`: FusedAdamW's torch path keeps the fp32 main weights as the bf16
-shard plus a 16-bit remainder, the run trains, rank 0 says what was converted, and the checkpoint holds fp32 masters.
+"""`hfsdp train --device cpu --store-param-remainders` (and the precision-aware optimizer's default, the flag unset):
+FusedAdamW's torch path keeps the fp32 main weights as the bf16 shard plus a 16-bit remainder, the run trains, rank 0
+says what was converted, and the checkpoint holds fp32 masters.
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from tests.support.runs import HFSDP, LLAMA, records, tiny_llama
 REMAINDERS = ["--use-precision-aware-optimizer", "--store-param-remainders", "--dtype", "bf16"]
 LINE = re.compile(
     r"^store_param_remainders: (\d+) of (\d+) parameter groups keep their fp32 main weights as the bf16 shard plus a "
-    r"16-bit remainder \(([\d,]+) bytes of remainders on rank 0\)$"
+    r"16-bit remainder \(([\d,]+) bytes of remainders on rank 0\)(.*)$"
 )
+BY_DEFAULT = ", the precision-aware optimizer's default (--no-store-param-remainders turns it off)"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HFSDP, "train", *args], capture_output=True, text=True, timeout=300)
 
 
-def _said(stdout: str) -> tuple[int, int, int]:
+def _said(stdout: str, by_default: bool = False) -> tuple[int, int, int]:
     (line,) = [x for x in stdout.splitlines() if x.startswith("store_param_remainders: ")]  # rank 0's, once
     found = LINE.match(line)
-    assert found, line
+    assert found and found[4] == (BY_DEFAULT if by_default else ""), line
     return int(found[1]), int(found[2]), int(found[3].replace(",", ""))
 
 
@@ -62,17 +64,19 @@ def test_zero1_trains_with_every_group_converted_and_saves_fp32_masters(tmp_path
     assert dtypes == {(("exp_avg", "float32"), ("exp_avg_sq", "float32"), ("main", "float32"), ("model", "bfloat16"))}
 
 
-def test_fp8_matmuls_on_bf16_gathered_weights_train_with_it(tmp_path):
-    """ZeRO-3 over 2 ranks with --fp8-format hybrid (every Linear whose dims fit, no fp8 gather): the rules accept
-    it, the groups convert and the run trains."""
+def test_fp8_matmuls_on_bf16_gathered_weights_train_with_it_by_default(tmp_path):
+    """ZeRO-3 over 2 ranks with --fp8-format hybrid (every Linear whose dims fit, no fp8 gather) and the
+    precision-aware optimizer, the flag left unset (Megatron's default, on): the rules accept it, the groups convert,
+    rank 0 says it is the default and how to turn it off, and the run trains."""
     config, metrics = tmp_path / "llama.json", tmp_path / "metrics.jsonl"
     config.write_text(json.dumps({**LLAMA, "num_key_value_heads": 1}))
+    unset = [x for x in REMAINDERS if x != "--store-param-remainders"]
     args = ["--model-config", str(config), "--seq-len", "16", "--device", "cpu", "--nproc", "2", "--steps", "6",
-            "--lr", "1e-2", "--fp8-format", "hybrid", "--fp8-min-size", "0", *REMAINDERS]  # fmt: skip
+            "--lr", "1e-2", "--fp8-format", "hybrid", "--fp8-min-size", "0", *unset]  # fmt: skip
     done = _run(*args, "--metrics", str(metrics))
     assert done.returncode == 0, done.stderr
     assert any(x.startswith("fp8 (hybrid, tensorwise): 10 of 14 Linear layers") for x in done.stdout.splitlines())
-    converted, groups, held = _said(done.stdout)
+    converted, groups, held = _said(done.stdout, by_default=True)
     assert converted == groups > 0 and held > 0
     losses = [r["loss"] for r in records(metrics)]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses

@@ -31,17 +31,24 @@ def _validate(tmp_path, sections: dict):
     return result, json.loads(result.output)
 
 
-def test_the_flag_and_key_are_megatrons_name_off_by_default():
+def test_the_flag_and_key_are_megatrons_name_on_by_default_with_the_precision_aware_optimizer():
+    """As Megatron's: unset, it is on wherever the precision-aware optimizer runs with bf16 compute and fp32 masters
+    on the device, and off elsewhere, without a refusal; set, it is what was said."""
     setting = BY_NAME["store_param_remainders"]
     assert (setting.flag, setting.key, setting.default, setting.panel) == (
         FLAG,
         "train.store_param_remainders",
-        False,
+        None,
         "Optimizer precision",
     )
+    aware = {"device": "cpu", "use_precision_aware_optimizer": True, "dtype": "bf16"}
     assert build_train_config({"device": "cpu"}).store_param_remainders is False
-    assert build_train_config({"device": "cpu", **ON}).store_param_remainders is True
-    assert "not yet checked on a GPU" in setting.help  # opt-in until its Triton kernel is checked on one
+    assert build_train_config({"device": "cpu", "dtype": "bf16"}).store_param_remainders is False
+    assert build_train_config(aware).store_param_remainders is True
+    assert build_train_config({**aware, "store_param_remainders": False}).store_param_remainders is False
+    assert build_train_config({**aware, "store_param_remainders": True}).store_param_remainders is True
+    for where_it_cannot_run in ({"dtype": "fp32"}, {"offload": "optim"}, {"overlap_step": True}):  # (fp16: refused)
+        assert build_train_config({**aware, **where_it_cannot_run}).store_param_remainders is False
 
 
 #: (flags beside ON, what the message must say). Each rule alone, under the flag, naming the fix.

@@ -91,7 +91,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int) -> dict:
     throughput = Throughput.of(cfg, device)
     opt = _optimizer(cfg, param_groups(sharded, cfg.weight_decay), device)
     if rank == 0 and cfg.store_param_remainders:
-        say(_remainders_line(sharded))
+        say(_remainders_line(sharded, by_default=not cfg.explicit("store_param_remainders")))
     clips_in_step = getattr(opt, "max_grad_norm", None) is not None  # FusedAdamW clips as it steps
     apart = _instances_apart(layout)
     data, held_out = _data(cfg, built.vocab_size)
@@ -242,9 +242,10 @@ def _optimizer(cfg: TrainConfig, groups, device: torch.device):
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
 
 
-def _remainders_line(sharded) -> str:
+def _remainders_line(sharded, by_default: bool) -> str:
     """What --store-param-remainders did on rank 0 (its caller), measured on the groups the optimizer converted: how
-    many keep their fp32 main weights as the bf16 shard plus a 16-bit remainder, and the remainders' bytes."""
+    many keep their fp32 main weights as the bf16 shard plus a 16-bit remainder, and the remainders' bytes; and,
+    where nobody asked for it, that it is the precision-aware optimizer's default and how to turn it off."""
     from hfsdp.core import sharding_of
 
     groups = [g for g in sharding_of(sharded).groups if not g.frozen]
@@ -253,6 +254,7 @@ def _remainders_line(sharded) -> str:
     return (
         f"store_param_remainders: {len(kept)} of {len(groups)} parameter groups keep their fp32 main weights as the "
         f"bf16 shard plus a 16-bit remainder ({held:,} bytes of remainders on rank 0)"
+        + (", the precision-aware optimizer's default (--no-store-param-remainders turns it off)" if by_default else "")
     )
 
 

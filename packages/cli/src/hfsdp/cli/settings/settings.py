@@ -349,13 +349,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "store_param_remainders",
         "--store-param-remainders",
-        False,
+        None,
         bool,
-        "Megatron's: fp32 main weights kept as the bf16 weights plus 16-bit remainders (exact). Opt-in: its Triton "
-        "kernel is not yet checked on a GPU.",
+        "Megatron's: fp32 main weights kept as the bf16 weights plus 16-bit remainders (the same masters; 2 bytes "
+        "less per element where a bf16 shard is kept anyway). It applies with bf16 compute and fp32 main params, "
+        "without --offload or --overlap-step.",
         boolean,
         key="train.store_param_remainders",
         panel="Optimizer precision",
+        default_text="on with --use-precision-aware-optimizer where it applies",
     ),
     Setting(
         "fp8",

@@ -18,7 +18,7 @@ from typing import Any
 
 from hfsdp.cli.settings.config_file import FileValues, read_config_file
 from hfsdp.cli.settings.report import shown
-from hfsdp.cli.settings.rules import RULES
+from hfsdp.cli.settings.rules import RULES, remainders_by_default
 from hfsdp.cli.settings.settings import BY_NAME, DILOCO_SETTINGS, SETTINGS
 from hfsdp.core.rules.config import ConfigError, LayoutConfig, Problem
 
@@ -157,6 +157,8 @@ def resolve(
                 problems.append(Problem(given[name].spelled, message))
     if problems or layout is None:
         raise ConfigError(problems)
+    if "store_param_remainders" in values and values["store_param_remainders"] is None:  # unset: Megatron's default
+        values["store_param_remainders"] = remainders_by_default(values)
     return TrainConfig(
         layout=layout,
         nproc=nproc if nproc is not None else layout.world_size,
