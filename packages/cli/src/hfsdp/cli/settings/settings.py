@@ -351,9 +351,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--store-param-remainders",
         None,
         bool,
-        "Megatron's: fp32 main weights kept as the bf16 weights plus 16-bit remainders (the same masters; 2 bytes "
-        "less per element where a bf16 shard is kept anyway). It applies with bf16 compute and fp32 main params, "
-        "without --offload or --overlap-step.",
+        "Megatron's: exact fp32 masters as the bf16 weights plus 16-bit remainders (docs/cli.md).",
         boolean,
         key="train.store_param_remainders",
         panel="Optimizer precision",
