@@ -431,18 +431,6 @@ _REMAINDER_CHECKS = (
 )
 
 
-def remainders_by_default(v: dict[str, Any]) -> bool:
-    """Whether a run that leaves store_param_remainders unset keeps its masters as bf16 weights plus remainders: as
-    Megatron's default, with the precision-aware optimizer wherever none of the checks above would refuse it."""
-    return bool(
-        v["use_precision_aware_optimizer"]
-        and v["dtype"] == "bf16"
-        and v["main_params_dtype"] == "fp32"
-        and v["offload"] == "none"
-        and not v["overlap_step"]
-    )
-
-
 def _store_param_remainders(v: dict[str, Any], said) -> str | None:
     """Megatron's store_param_remainders: with the precision-aware optimizer, bf16 compute and fp32 masters on the
     device, and (hfsdp's own limit, core's `kernels/remainder_groups.py`) without the overlapped step; with DiLoCo
@@ -451,6 +439,13 @@ def _store_param_remainders(v: dict[str, Any], said) -> str | None:
     if not v["store_param_remainders"]:
         return None
     return next((found for check in _REMAINDER_CHECKS if (found := check(v, said)) is not None), None)
+
+
+def remainders_by_default(v: dict[str, Any], said) -> bool:
+    """Whether a run that leaves store_param_remainders unset keeps its masters as bf16 weights plus remainders:
+    as Megatron's default, wherever asking for it would be accepted (the rules above, from the precision-aware
+    optimizer on)."""
+    return _store_param_remainders({**v, "store_param_remainders": True}, said) is None
 
 
 def _profile_steps_within_run(v: dict[str, Any], said) -> str | None:

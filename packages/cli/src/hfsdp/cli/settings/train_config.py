@@ -158,7 +158,7 @@ def resolve(
     if problems or layout is None:
         raise ConfigError(problems)
     if "store_param_remainders" in values and values["store_param_remainders"] is None:  # unset: Megatron's default
-        values["store_param_remainders"] = remainders_by_default(values)
+        values["store_param_remainders"] = remainders_by_default(values, _Quote(given))
     return TrainConfig(
         layout=layout,
         nproc=nproc if nproc is not None else layout.world_size,
